@@ -1,0 +1,213 @@
+"""The ``platform`` command.
+
+Plugin choices (``--device``, ``--backend``, ``--a2a``, ``--kv-connector``) are
+read from the installed plugins when the parser is built; nothing here names
+one. A bad choice is rejected by the plugin registry, whose message lists
+every candidate and why it cannot be used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from plinth import __version__
+from plinth.errors import PlinthError
+from plinth.plugins import ALLOW_ENV, BLOCK_ENV, CATEGORIES, PluginRegistry, install_hint
+
+log = logging.getLogger("plinth")
+
+#: the option that chooses each category's plugin, and its default
+CATEGORY_OPTIONS = {
+    "accelerator": ("--device", "auto"),
+    "backend": ("--backend", "auto"),
+    "a2a": ("--a2a", "auto"),
+    "kv_connector": ("--kv-connector", None),
+}
+
+
+def _choices(registry: PluginRegistry, category: str, with_auto: bool) -> str:
+    names = (["auto"] if with_auto else []) + registry.names(category)
+    return "{" + ",".join(names) + "}" if names else "NAME"
+
+
+def add_plugin_options(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:
+    """The plugin choices, with the names the installed plugins register."""
+    group = parser.add_argument_group("plugins (choices are the installed plugins; see `platform plugins`)")
+    for category, (flag, default) in CATEGORY_OPTIONS.items():
+        with_auto = default == "auto"
+        group.add_argument(
+            flag,
+            default=default,
+            metavar=_choices(registry, category, with_auto),
+            help=f"{category.replace('_', ' ')} plugin" + (" (default: auto, the best available)" if with_auto else " (default: none)"),
+        )
+    group.add_argument("--kv-connector-config", default=None, metavar="JSON", help="options for the KV connector, as JSON")
+    extra = parser.add_argument_group("plugin options")
+    registry.hook.plinth_add_cli_arguments(parser=extra)
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (any value >= 1)")
+    g.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: from --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB", help="memory for the KV pool")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV pages of shared prefixes"
+    )
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    g.add_argument("--seed", type=int, default=0, help="default sampling seed base")
+
+
+def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine keyword arguments from the parsed plugin and engine options."""
+    kv_config = json.loads(args.kv_connector_config) if getattr(args, "kv_connector_config", None) else None
+    known = {
+        "model", "device", "backend", "a2a", "kv_connector", "dtype", "page_size", "num_pages", "kv_cache_memory",
+        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep",
+    }
+    kwargs = {k: v for k, v in vars(args).items() if k in known}
+    kwargs["kv_connector_config"] = kv_config
+    kwargs["plugin_options"] = {k: v for k, v in vars(args).items() if k not in known and not k.startswith("_")}
+    return kwargs
+
+
+# ---------------------------------------------------------------------------
+# platform plugins
+# ---------------------------------------------------------------------------
+
+
+def _details(row: dict[str, Any]) -> str:
+    if row["reasons"]:
+        return "; ".join(row["reasons"])
+    return row.get("summary") or row.get("description", "")
+
+
+def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
+    rows = registry.report()
+    for row in rows:  # an available accelerator says what it found
+        if row["category"] == "accelerator" and row["status"] == "ok":
+            try:
+                info = registry.get("accelerator", row["name"]).load()().info()
+                row["summary"] = (
+                    f"{info.device_count} x {info.device_name or info.device_type}"
+                    + (f" {info.capability}" if info.capability else "")
+                    + f", {info.dist_backend}, fp8 {info.fp8}, {info.default_dtype}"
+                )
+                row["info"] = vars(info)
+            except Exception as exc:
+                row["status"], row["reasons"] = "failed", [f"info() raised {type(exc).__name__}: {exc}"]
+    if args.json:
+        json.dump({"core": __version__, "plugin_api": _api_version(), "plugins": rows}, sys.stdout, indent=2, default=str)
+        print()
+        return 0
+    if not rows:
+        print("No plinth plugins are installed.")
+        print(f"plinth needs at least an accelerator, a backend and a model plugin: {install_hint()}.")
+        print("From a checkout, `make setup` installs all of them.")
+        return 0
+    headers = ("CATEGORY", "NAME", "DISTRIBUTION", "VERSION", "STATUS", "DETAILS")
+    table = [(r["category"], r["name"], r["distribution"], r["version"], r["status"], _details(r)) for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *table)]
+    widths[-1] = 0
+    for line in (headers, *table):
+        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
+    for dup in registry.duplicates():
+        print(f"error: {dup}", file=sys.stderr)
+    missing = [c for c in ("accelerator", "backend", "model") if not registry.entries[c]]
+    if missing:
+        print(f"\nno {', '.join(missing)} plugin installed: {install_hint()}.")
+    return 1 if registry.duplicates() else 0
+
+
+def _api_version() -> str:
+    from plinth.hookspecs import PLUGIN_API_VERSION
+
+    return PLUGIN_API_VERSION
+
+
+# ---------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------
+
+#: subcommand name -> (module, function name, help); each module is imported
+#: only when its subcommand runs, so `platform --help` stays fast.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {}
+
+
+def register_subcommand(name: str, module: str, func: str, help: str) -> None:
+    SUBCOMMANDS[name] = (module, func, help)
+
+
+register_subcommand("generate", "plinth.cli_engine", "generate", "generate text offline with the engine")
+register_subcommand("serve", "plinth.cli_engine", "serve", "serve the OpenAI- and Anthropic-compatible HTTP API")
+register_subcommand("bench", "plinth.cli_engine", "bench", "benchmarks: `bench offline` (engine) and `bench serve` (HTTP)")
+
+
+def build_parser(registry: PluginRegistry) -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(
+        prog="platform",
+        description="plinth: LLM inference and serving, a minimal core plus plugins.",
+    )
+    parser.add_argument("--version", action="version", version=f"plinth-core {__version__}")
+    parser.add_argument("--plugins-allow", default=None, help=f"only these plugins (comma-separated; env {ALLOW_ENV})")
+    parser.add_argument("--plugins-block", default=None, help=f"never these plugins (comma-separated; env {BLOCK_ENV})")
+    parser.add_argument("--log-level", default=os.environ.get("PLINTH_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("plugins", help="list installed plugins and whether each can run here")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(_run=cmd_plugins)
+    for name, (module, func, help_text) in SUBCOMMANDS.items():
+        mod = importlib.import_module(module)
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        getattr(mod, f"add_{func}_arguments")(sp, registry)
+        sp.set_defaults(_run=lambda a, r, m=mod, f=func: getattr(m, f)(a, r))
+    return parser
+
+
+def _pre_parse(argv: Sequence[str]) -> argparse.Namespace:
+    """Read the allow/block lists before discovery (they decide what loads)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--plugins-allow", default=None)
+    pre.add_argument("--plugins-block", default=None)
+    pre.add_argument("--log-level", default=os.environ.get("PLINTH_LOG_LEVEL", "INFO"))
+    known, _ = pre.parse_known_args(argv)
+    return known
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = _pre_parse(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(pre.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    registry = PluginRegistry.discover(allow=pre.plugins_allow, block=pre.plugins_block)
+    parser = build_parser(registry)
+    args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace, PluginRegistry], int] | None = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(run(args, registry) or 0)
+    except PlinthError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The OpenAI- and Anthropic-compatible HTTP server."""

@@ -1,0 +1,1 @@
+"""plinth accelerator plugin for the host CPU."""
