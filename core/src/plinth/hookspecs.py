@@ -264,6 +264,12 @@ class Accelerator(PluginImpl):
         """(free, total) bytes of device ``index``; sizes the KV page pool."""
         raise NotImplementedError
 
+    def kv_cache_budget(self, *, free: int, total: int, weights: int) -> int:
+        """Bytes the KV page pool takes by default (``--kv-cache-memory`` and
+        ``--num-pages`` override). A device that holds nothing else takes most
+        of what is free; a host shares its memory and takes less."""
+        return int(0.9 * free) - weights
+
     def supported_dtypes(self) -> "list[torch.dtype]":
         import torch
 

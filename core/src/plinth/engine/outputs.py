@@ -22,6 +22,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[Logprob] = field(default_factory=list)
+    rank: int = 1  # 1 = the most likely token
 
 
 @dataclass
@@ -48,3 +49,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a KV connector
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times (monotonic)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None: nothing precedes it

@@ -1,0 +1,182 @@
+"""The engine behind the server: ``LLMEngine`` on its own thread, with asyncio
+streams per request.
+
+The engine thread owns the engine: requests and aborts reach it through an
+inbox it drains before each step, and each step's outputs go back to the
+event loop with ``call_soon_threadsafe``. Torch releases the GIL inside ops,
+so the event loop keeps serving while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from plinth.engine.engine import LLMEngine
+from plinth.engine.outputs import RequestOutput
+from plinth.engine.sampling_params import SamplingParams
+from plinth.errors import PlinthError
+
+log = logging.getLogger("plinth.engine")
+
+
+class EngineOverloaded(PlinthError):
+    """Too many requests are waiting; retry later (HTTP 503 with Retry-After)."""
+
+
+class EngineError(PlinthError):
+    """The engine failed while running this request (HTTP 500); the engine
+    itself keeps serving others."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 4096) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="plinth-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: Any, registry: Any = None) -> "AsyncLLM":
+        return cls(LLMEngine.from_config(config, registry), max_waiting_requests=config.max_waiting_requests)
+
+    # ---- what the server uses ---------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def num_pending(self) -> int:
+        return self.engine.scheduler.num_waiting + self._inbox.qsize()
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs of one request until it finishes.
+
+        Raises RequestError (bad input) before the first output, and
+        EngineOverloaded when the queue is full. Leaving the iteration early
+        (a client that disconnected) aborts the request and frees its pages.
+        """
+        self.engine.validate(list(prompt_token_ids), params)
+        if self._stop:
+            raise EngineError("the engine is shutting down")
+        if self.num_pending() >= self.max_waiting_requests:
+            raise EngineOverloaded(f"{self.num_pending()} requests are already waiting; retry later")
+        request_id = request_id or self.new_request_id()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, prompt))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                # outputs are cumulative: a slow reader skips to the newest
+                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        s["waiting"] += self._inbox.qsize()
+        return s
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- the engine thread ------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            except RuntimeError:  # its event loop is closed
+                self._streams.pop(request_id, None)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, ids, params, prompt = msg
+                if rid not in self._streams:
+                    continue  # its client left before it started
+                try:
+                    self.engine.add_request(rid, ids, params, prompt=prompt)
+                except Exception as exc:
+                    self._deliver(rid, exc)
+            else:
+                self.engine.abort_request(msg[1])
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # fail the running requests, keep serving
+                log.exception("engine step failed; aborting the requests in flight")
+                for rid in list(self.engine.requests):
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+            self._deliver(rid, EngineError("the engine shut down"))

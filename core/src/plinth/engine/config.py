@@ -1,0 +1,46 @@
+"""Engine options (the keyword arguments of ``LLM`` and the flags of
+``platform serve`` / ``generate``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from plinth.errors import ConfigError
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a HF folder or .gguf file; None: the default model
+    device: str = "auto"
+    backend: str = "auto"
+    dtype: str = "auto"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory: float | None = None  # GiB; default: the accelerator's budget
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    tp: int = 1
+    ep: int = 1
+    a2a: str = "auto"
+    kv_connector: str | None = None
+    kv_connector_config: Mapping[str, Any] | None = None
+    plugin_options: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    #: requests allowed to wait before new ones are refused (HTTP 503)
+    max_waiting_requests: int = 4096
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ConfigError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1")
+        if self.tp < 1 or self.ep < 1:
+            raise ConfigError("tp and ep must be >= 1")

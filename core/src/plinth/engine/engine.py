@@ -1,0 +1,339 @@
+"""The synchronous engine: requests in, one scheduled step at a time, outputs out.
+
+``LLMEngine`` is driven by one thread (the offline ``LLM`` loop or the
+``AsyncLLM`` worker thread); nothing in it is shared with other threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence as Seq
+
+import torch
+
+from plinth.engine.block_manager import BlockPool
+from plinth.engine.detokenizer import detokenize_step, find_stop
+from plinth.engine.model_runner import ModelRunner
+from plinth.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from plinth.engine.sampler import SampleRow, Sampler, make_generator, prompt_logprobs
+from plinth.engine.sampling_params import SamplingParams
+from plinth.engine.scheduler import ScheduledBatch, Scheduler
+from plinth.engine.sequence import Request, SeqStatus, Sequence
+from plinth.errors import RequestError
+
+log = logging.getLogger("plinth.engine")
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        *,
+        runner: ModelRunner,
+        tokenizer: Any,
+        model_config: Any,
+        pool: BlockPool,
+        scheduler: Scheduler,
+        max_model_len: int,
+        components: Any = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.pool = pool
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.components = components  # what startup resolved (plugins, config)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        vocab = model_config.vocab_size
+        self.eos_token_ids = frozenset(
+            t for t in (*getattr(tokenizer, "eos_token_ids", ()), *model_config.eos_token_ids) if 0 <= t < vocab
+        )
+        # counters for metrics
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, config: Any, registry: Any = None) -> "LLMEngine":
+        from plinth.engine.startup import build_engine
+
+        return build_engine(config, registry)
+
+    # ---- requests ------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise RequestError for what this engine cannot run."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {n} tokens; this model's maximum context length is {self.max_model_len}, "
+                "which leaves no room to generate",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {n + params.max_tokens} "
+                f"were requested ({n} in the prompt, {params.max_tokens} to generate): lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        capacity = self.pool.num_pages * self.pool.page_size
+        if n + 1 > capacity:
+            raise RequestError(
+                f"the prompt has {n} tokens but the KV cache holds {capacity}", param="prompt", code="context_length_exceeded"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+    ) -> Request:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running", param="request_id")
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, prompt, prompt_token_ids, params)
+        seq = Sequence(req, 0, list(prompt_token_ids), generator=make_generator(params.seed))
+        seq.grammar = params.grammar
+        seq.pending_fork = params.n > 1
+        req.seqs.append(seq)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        self.num_prompt_tokens += len(prompt_token_ids)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        req.finished_time = time.monotonic()
+        return self._request_output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report every request that
+        moved (including those that finished)."""
+        batch = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        for seq in batch.evicted:  # can never fit in the KV pool
+            touched[seq.request.request_id] = seq.request
+            if seq.request.finished:
+                seq.request.finished_time = time.monotonic()
+        if batch.seqs:
+            self.num_steps += 1
+            self._run(batch, touched)
+        outputs = []
+        for req in touched.values():
+            out = self._request_output(req)
+            outputs.append(out)
+            if out.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _run(self, batch: ScheduledBatch, touched: dict[str, Request]) -> None:
+        rows: list[int] = []  # flat token index of each logits row
+        samplers: list[Sequence] = []  # the sequences sampling after this step
+        sample_at: list[int] = []  # their rows
+        prompt_lp: list[tuple[Sequence, int, int, int]] = []  # seq, first row, first position, count
+        offset = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            c = seq.num_computed
+            if seq.request.prompt_logprobs is not None and seq.index == 0 and c < seq.num_prompt_tokens - 1:
+                count = min(c + n, seq.num_prompt_tokens - 1) - c
+                prompt_lp.append((seq, len(rows), c, count))
+                rows.extend(range(offset, offset + count))
+            if c + n == seq.num_tokens:
+                samplers.append(seq)
+                sample_at.append(len(rows))
+                rows.append(offset + n - 1)
+            offset += n
+
+        logits = self.runner.execute(batch, rows)
+        self.scheduler.mark_computed(batch)
+
+        for seq, first, pos, count in prompt_lp:
+            k = seq.params.prompt_logprobs or 0
+            nxt = seq.token_ids[pos + 1 : pos + 1 + count]
+            seq.request.prompt_logprobs.extend(prompt_logprobs(logits[first : first + count], nxt, k))
+        if not samplers:
+            return
+        sample_logits = logits if len(sample_at) == len(rows) else logits[torch.tensor(sample_at)]
+
+        # n > 1: a prompt finished prefill once; its n samples fork from it here
+        expanded: list[Sequence] = []
+        src_rows: list[int] = []
+        for i, seq in enumerate(samplers):
+            if seq.pending_fork:
+                seq.pending_fork = False
+                for child in self._fork(seq):
+                    expanded.append(child)
+                    src_rows.append(i)
+            else:
+                expanded.append(seq)
+                src_rows.append(i)
+        if len(expanded) != len(samplers):
+            sample_logits = sample_logits[torch.tensor(src_rows)]
+
+        sample_rows = [self._sample_row(seq) for seq in expanded]
+        tokens, logprobs = self.sampler(sample_logits, sample_rows)
+        for seq, token, lp in zip(expanded, tokens, logprobs):
+            touched[seq.request.request_id] = seq.request
+            self._append_token(seq, token, lp)
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        p = seq.params
+        banned: Seq[int] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+        return SampleRow(
+            params=p,
+            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else (),
+            output_ids=seq.output_ids if p.needs_penalties else (),
+            generator=seq.generator,
+            grammar=seq.grammar,
+            banned=banned,
+        )
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The n sequences of a request whose prompt is now computed: the first
+        is the parent; the others share its full pages and get a copy of its
+        partial last page (or, with no page free, recompute from the cache)."""
+        req = parent.request
+        ps = self.pool.page_size
+        seqs = [parent]
+        for i in range(1, req.params.n):
+            seed = None if req.params.seed is None else req.params.seed + i
+            child = Sequence(req, i, list(parent.token_ids), generator=make_generator(seed))
+            child.page_hashes = list(parent.page_hashes)
+            child.grammar = parent.grammar.fork() if parent.grammar is not None else None
+            full = parent.num_computed // ps
+            partial = parent.num_computed % ps
+            if partial == 0 or self.pool.num_free > 0:
+                child.pages = parent.pages[:full]
+                self.pool.share(child.pages)
+                if partial:
+                    (page,) = self.pool.allocate(1)
+                    self.runner.copy_pages([parent.pages[full]], [page])
+                    child.pages.append(page)
+                child.num_computed = parent.num_computed
+                self.scheduler.add_running(child)
+            else:
+                self.scheduler.add(child)  # no page to copy into: recompute via the prefix cache
+            req.seqs.append(child)
+            seqs.append(child)
+        return seqs
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
+        req = seq.request
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        seq.token_ids.append(token)
+        self.num_generation_tokens += 1
+        if lp is not None and seq.logprobs is not None:
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp.logprob
+        p = seq.params
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            log.warning("request %s: grammar rejected token %d", req.request_id, token)
+        can_stop = seq.num_output_tokens > p.min_tokens or p.min_tokens == 0
+        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+            return self._finish(seq, "stop", token)
+        if can_stop and token in p.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        delta = detokenize_step(self.tokenizer, seq)
+        if delta:
+            seq.text += delta
+            if p.stop and can_stop:
+                hit = find_stop(seq.text, len(delta), p.stop)
+                if hit is not None:
+                    start, stop = hit
+                    seq.text = seq.text[: start + (len(stop) if p.include_stop_str_in_output else 0)]
+                    return self._finish(seq, "stop", stop)
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return self._finish(seq, "stop")
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.text += detokenize_step(self.tokenizer, seq, final=True)
+            return self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: Any = None) -> None:
+        self.scheduler.finish(seq, reason, stop_reason)
+        if seq.request.finished:
+            seq.request.finished_time = time.monotonic()
+
+    # ---- outputs ------------------------------------------------------------------
+
+    def _request_output(self, req: Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=s.output_ids,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob,
+            )
+            for s in sorted(req.seqs, key=lambda s: s.index)
+            if s.num_output_tokens > 0 or s.finished
+        ]
+        finished = req.finished or req.request_id not in self.requests
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        if req.finished_time is not None:
+            metrics["finished_time"] = req.finished_time
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=metrics,
+            prompt_logprobs=req.prompt_logprobs,
+        )
+
+    # ---- introspection -------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "num_pages": self.pool.num_pages,
+            "free_pages": self.pool.num_free,
+            "page_size": self.pool.page_size,
+            "kv_usage": self.pool.usage(),
+            "prefix_cache_queries": self.pool.queries,
+            "prefix_cache_hits": self.pool.hits,
+            "prefix_cache_hit_rate": self.pool.hit_rate(),
+            "preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "steps": self.num_steps,
+        }
+
+    def pages_held(self) -> int:
+        """Pages referenced by live sequences (0 when idle: nothing leaked)."""
+        return sum(1 for r in self.pool.ref_count if r > 0)

@@ -1,0 +1,146 @@
+"""The offline Python API: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Mapping, Sequence
+
+from plinth.engine.config import EngineConfig
+from plinth.engine.outputs import RequestOutput
+from plinth.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    ``model=None`` means the default model (SmolLM2-135M-Instruct, GGUF).
+    Every prompt of a ``generate`` call is submitted at once, so they run
+    with continuous batching.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        device: str = "auto",
+        backend: str = "auto",
+        dtype: str = "auto",
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        tp: int = 1,
+        ep: int = 1,
+        a2a: str = "auto",
+        kv_connector: str | None = None,
+        kv_connector_config: Mapping[str, Any] | None = None,
+        max_model_len: int | None = None,
+        kv_cache_memory: float | None = None,
+        plugin_options: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        registry: Any = None,
+        load_progress: bool = True,
+    ) -> None:
+        from plinth.engine.engine import LLMEngine
+
+        self.config = EngineConfig(
+            model=model,
+            device=device,
+            backend=backend,
+            dtype=dtype,
+            page_size=page_size,
+            num_pages=num_pages,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            tp=tp,
+            ep=ep,
+            a2a=a2a,
+            kv_connector=kv_connector,
+            kv_connector_config=kv_connector_config,
+            plugin_options=dict(plugin_options or {}),
+            seed=seed,
+            load_progress=load_progress,
+        )
+        self.engine = LLMEngine.from_config(self.config, registry)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. Strings are tokenized with the
+        model's tokenizer (BOS added as the model expects); lists of ints are
+        used as they are."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        tok = self.engine.tokenizer
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            rid = f"offline-{next(self._ids)}"
+            if isinstance(prompt, str):
+                self.engine.add_request(rid, tok.encode(prompt), p, prompt=prompt)
+            else:
+                self.engine.add_request(rid, list(prompt), p, prompt=None)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the model's chat
+        template makes each a prompt."""
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = []
+        for conv in convs:
+            text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        for out, p in zip(outs, prompts):
+            out.prompt = tok.decode(p, skip_special_tokens=False)
+        return outs
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="generate", unit="req")
+        wanted = set(request_ids)
+        idle_steps = 0
+        while len(done) < len(wanted):
+            outputs = self.engine.step()
+            # steps without output happen (chunks of a long prompt), but not this many
+            idle_steps = 0 if outputs else idle_steps + 1
+            if idle_steps > 1000:
+                raise RuntimeError(f"the engine stopped making progress: {self.engine.stats()}")
+            for out in outputs:
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[r] for r in request_ids]

@@ -1,0 +1,104 @@
+"""Runs one scheduled batch through the model: builds the flat token batch
+and its paging metadata, calls the model, returns the logits rows asked for."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+import numpy as np
+import torch
+
+from plinth.engine.scheduler import ScheduledBatch
+from plinth.hookspecs import AttentionMetadata, ModelConfig
+
+
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes one page takes across all layers (K and V)."""
+    heads = max(1, cfg.num_kv_heads // tp)
+    v_dim = cfg.head_dim if cfg.v_head_dim is None else cfg.v_head_dim
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * page_size * heads * (cfg.head_dim + v_dim) * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        ops: Any,
+        cfg: ModelConfig,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_pages: int,
+        page_size: int,
+        tp: int = 1,
+    ) -> None:
+        self.model = model
+        self.ops = ops
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.page_size = page_size
+        heads = max(1, cfg.num_kv_heads // tp)
+        v_dim = cfg.head_dim if cfg.v_head_dim is None else cfg.v_head_dim
+        # zeros, not empty: padded attention reads must never meet NaN garbage
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+            (
+                torch.zeros(num_pages, page_size, heads, cfg.head_dim, dtype=dtype, device=device),
+                torch.zeros(num_pages, page_size, heads, v_dim, dtype=dtype, device=device) if v_dim else None,
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
+        ps = self.page_size
+        ids: list[int] = []
+        starts = np.empty(len(batch.seqs), dtype=np.int64)
+        q_lens = list(batch.num_tokens)
+        seq_lens: list[int] = []
+        max_pages = 1
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            c = seq.num_computed
+            ids.extend(seq.token_ids[c : c + n])
+            starts[i] = c
+            seq_lens.append(c + n)
+            max_pages = max(max_pages, len(seq.pages))
+        tables = np.zeros((len(batch.seqs), max_pages), dtype=np.int64)
+        for i, seq in enumerate(batch.seqs):
+            tables[i, : len(seq.pages)] = seq.pages
+        q_lens_np = np.asarray(q_lens, dtype=np.int64)
+        seq_index = np.repeat(np.arange(len(q_lens)), q_lens_np)
+        cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens_np, out=cu[1:])
+        positions = starts[seq_index] + (np.arange(cu[-1]) - cu[seq_index])
+        slots = tables[seq_index, positions // ps] * ps + positions % ps
+
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=torch.from_numpy(positions).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            page_size=ps,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, logit_rows: Seq[int]) -> torch.Tensor:
+        """Forward the batch; logits (float32) of the flat token rows asked for."""
+        input_ids, meta = self.build_metadata(batch)
+        self.ops.prepare_attention(meta)
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        if not logit_rows:
+            return torch.empty(0, self.cfg.vocab_size)
+        rows = torch.tensor(list(logit_rows), dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()
+
+    @torch.inference_mode()
+    def copy_pages(self, src: Seq[int], dst: Seq[int]) -> None:
+        self.ops.copy_pages(self.kv_caches, torch.tensor(list(src)), torch.tensor(list(dst)))

@@ -1,0 +1,205 @@
+"""Start-up: choose the plugins once, load the model, size the KV pool.
+
+Everything resolved here becomes plain objects (an accelerator instance, an
+op table of callables, a model module); the engine's steps never consult the
+plugin registry again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from plinth.engine.block_manager import BlockPool
+from plinth.engine.config import EngineConfig
+from plinth.engine.engine import LLMEngine
+from plinth.engine.model_runner import ModelRunner, kv_page_bytes
+from plinth.engine.model_source import locate_model
+from plinth.engine.scheduler import Scheduler
+from plinth.errors import ConfigError, PluginError
+from plinth.hookspecs import OP_NAMES, LoadContext, ModelConfig, ModelSource, SelectionContext
+from plinth.plugins import PluginEntry, PluginRegistry
+
+log = logging.getLogger("plinth.startup")
+
+
+@dataclass
+class Components:
+    """What start-up chose, for logs, /version and `platform plugins`."""
+
+    config: EngineConfig
+    accelerator: Any
+    accelerator_name: str
+    backend_name: str
+    model_loader_name: str
+    source: ModelSource
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    ops: Any
+    op_sources: dict[str, str] = field(default_factory=dict)
+    num_pages: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "device": self.accelerator_name,
+            "backend": self.backend_name,
+            "model_loader": self.model_loader_name,
+            "model": self.source.path,
+            "architecture": self.source.architecture,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "ops": dict(self.op_sources),
+            "num_pages": self.num_pages,
+            "page_size": self.config.page_size,
+        }
+
+
+def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[Any, dict[str, str]]:
+    """The op table: the chosen backend's ops over the reference backend's."""
+    references = [e for e in registry.entries["backend"] if e.descriptor.reference and not e.evaluate(ctx)]
+    table: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    layers = [references[0], chosen] if references and references[0] is not chosen else [chosen]
+    for entry in layers:
+        ops = entry.load()(ctx).ops()
+        unknown = set(ops) - set(OP_NAMES)
+        if unknown:
+            raise PluginError(f"backend {entry.label()} provides unknown ops: {', '.join(sorted(unknown))}")
+        for name, fn in ops.items():
+            table[name] = fn
+            sources[name] = entry.name
+    missing = [op for op in OP_NAMES if op not in table]
+    if missing:
+        log.info("ops with no implementation (models needing them will fail to load): %s", ", ".join(missing))
+    return SimpleNamespace(**table), sources
+
+
+def resolve_dtype(name: str, accelerator: Any) -> torch.dtype:
+    supported = accelerator.supported_dtypes()
+    if name in ("auto", None):
+        return accelerator.default_dtype()
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16"}.get(name, name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {name!r}")
+    if dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        raise ConfigError(f"dtype {name} is not supported on this device (supported: {names})")
+    return dtype
+
+
+def choose_model_loader(registry: PluginRegistry, source: ModelSource, ctx: SelectionContext) -> PluginEntry:
+    key = "gguf_architectures" if source.format == "gguf" else "architectures"
+    matches = [e for e in registry.entries["model"] if source.architecture in getattr(e.descriptor, key)]
+    if not matches:
+        known = "; ".join(f"{e.name}: {', '.join(getattr(e.descriptor, key))}" for e in registry.entries["model"])
+        raise PluginError(
+            f"no installed model plugin builds architecture {source.architecture!r} ({source.format}). "
+            + (f"Installed: {known}" if known else "No model plugins are installed.")
+        )
+    best = max(matches, key=lambda e: e.descriptor.priority)
+    return registry.select("model", best.name, ctx)
+
+
+def _hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
+    """Salt for prefix-cache page hashes: pages of different models never match."""
+    import os
+
+    ident = f"{cfg.architecture}|{cfg.num_layers}|{cfg.hidden_size}|{cfg.vocab_size}|{os.path.basename(source.path)}"
+    return int.from_bytes(hashlib.blake2b(ident.encode(), digest_size=8).digest(), "little")
+
+
+def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> LLMEngine:
+    if config.tp != 1 or config.ep != 1:
+        raise ConfigError("tensor and expert parallelism (tp/ep > 1) are not available in this build yet")
+    if config.kv_connector:
+        raise ConfigError("KV connectors are not available in this build yet")
+    registry = registry or PluginRegistry.discover()
+    options = dict(config.plugin_options)
+
+    ctx = SelectionContext(options=options)
+    acc_entry = registry.select("accelerator", config.device, ctx)
+    accelerator = acc_entry.load()()
+    accelerator.init_process(local_rank=0, options=options)
+    device = accelerator.device(0)
+    dtype = resolve_dtype(config.dtype, accelerator)
+
+    source = locate_model(config.model)
+    ctx = SelectionContext(accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep)
+    loader_entry = choose_model_loader(registry, source, ctx)
+    loader = loader_entry.load()()
+    model_cfg = loader.load_config(source)
+    max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
+    if config.max_model_len and config.max_model_len > model_cfg.max_model_len:
+        log.warning("max_model_len %d is beyond the model's %d: using %d", config.max_model_len, model_cfg.max_model_len, max_model_len)
+
+    ctx.model = model_cfg
+    backend_entry = registry.select(
+        "backend", config.backend, ctx, prefer=accelerator.info().preferred_backends
+    )
+    ops, op_sources = resolve_ops(registry, backend_entry, ctx)
+
+    tokenizer = loader.load_tokenizer(source)
+    load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress)
+    model = loader.load_model(source, model_cfg, load_ctx)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+
+    page_bytes = kv_page_bytes(model_cfg, config.page_size, dtype, config.tp)
+    # never more pages than every sequence at full length could use
+    max_useful = -(-config.max_num_seqs * max_model_len // config.page_size) + 1
+    if config.num_pages:
+        num_pages = config.num_pages
+    else:
+        if config.kv_cache_memory is not None:
+            budget = int(config.kv_cache_memory * (1 << 30))
+        else:
+            free, total = accelerator.memory(0)
+            budget = accelerator.kv_cache_budget(free=free, total=total, weights=weight_bytes)
+        num_pages = min(budget // page_bytes, max_useful)
+        if num_pages < 1:
+            raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, one page takes {page_bytes})")
+    log.info(
+        "KV cache: %d pages x %d tokens (%.2f GiB, %s)",
+        num_pages, config.page_size, num_pages * page_bytes / (1 << 30), str(dtype).removeprefix("torch."),
+    )
+
+    runner = ModelRunner(
+        model, ops, model_cfg, device=device, dtype=dtype, num_pages=num_pages, page_size=config.page_size, tp=config.tp
+    )
+    pool = BlockPool(num_pages, config.page_size, enable_caching=config.enable_prefix_caching)
+    scheduler = Scheduler(
+        pool,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        hash_seed=_hash_seed(source, model_cfg),
+    )
+    components = Components(
+        config=config,
+        accelerator=accelerator,
+        accelerator_name=acc_entry.name,
+        backend_name=backend_entry.name,
+        model_loader_name=loader_entry.name,
+        source=source,
+        model_config=model_cfg,
+        dtype=dtype,
+        device=device,
+        ops=ops,
+        op_sources=op_sources,
+        num_pages=num_pages,
+    )
+    log.info("engine ready: %s", components.describe())
+    return LLMEngine(
+        runner=runner,
+        tokenizer=tokenizer,
+        model_config=model_cfg,
+        pool=pool,
+        scheduler=scheduler,
+        max_model_len=max_model_len,
+        components=components,
+    )
