@@ -1,0 +1,31 @@
+"""`platform bench`: benchmarks (never tests).
+
+Each benchmark is a module here with ``add_arguments(parser)`` and
+``run(args, registry) -> int``; its heavy imports live inside ``run`` so that
+``platform --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from plinth.plugins import PluginRegistry
+
+#: name -> (module, help)
+BENCHMARKS = {
+    "offline": ("plinth.bench.offline", "the engine offline vs transformers on the same weights"),
+    "serve": ("plinth.bench.serve", "an OpenAI-compatible server over HTTP: throughput, TTFT, TPOT, ITL"),
+}
+
+
+def add_bench_subcommands(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError:
+            continue  # a benchmark not written yet
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p, registry)
+        p.set_defaults(_bench=mod.run)
