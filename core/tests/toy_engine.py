@@ -1,0 +1,122 @@
+"""A deterministic toy model for testing the engine without any plugin.
+
+Each token's "K/V" is its id, written into the paged cache; the output at
+position p is the sum of the ids at positions <= p, read back through the
+block table. The next token is ``(31 * sum + p) % VOCAB``. Any paging,
+chunking, preemption or prefix-cache mistake changes some sum, so the engine's
+outputs must equal ``reference()`` exactly.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from plinth.engine.block_manager import BlockPool
+from plinth.engine.engine import LLMEngine
+from plinth.engine.model_runner import ModelRunner
+from plinth.engine.scheduler import Scheduler
+from plinth.hookspecs import ModelConfig
+
+VOCAB = 97
+EOS = 0
+
+
+def next_token(tokens: list[int]) -> int:
+    return (31 * sum(tokens) + len(tokens) - 1) % VOCAB
+
+
+def reference(prompt: list[int], max_tokens: int, *, eos: bool = True) -> list[int]:
+    tokens = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        t = next_token(tokens)
+        out.append(t)
+        tokens.append(t)
+        if eos and t == EOS:
+            break
+    return out
+
+
+def _attention(q, k, v, kv_cache, meta, **_):
+    k_pages, v_pages = kv_cache
+    ps = meta.page_size
+    flat = v_pages.view(-1, *v_pages.shape[2:])
+    flat[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    start = 0
+    for i, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        pos = torch.arange(slen)
+        slots = meta.block_tables[i].long()[pos // ps] * ps + pos % ps
+        ctx = flat[slots, 0, 0].double().cumsum(0)
+        out[start : start + qlen, 0, 0] = ctx[slen - qlen : slen].to(out.dtype)
+        start += qlen
+    return out
+
+
+def _copy_pages(kv_caches, src, dst):
+    for k, v in kv_caches:
+        k[dst] = k[src]
+        v[dst] = v[src]
+
+
+TOY_OPS = SimpleNamespace(attention=_attention, prepare_attention=lambda meta: None, copy_pages=_copy_pages)
+
+
+class ToyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = TOY_OPS
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = input_ids.to(torch.float64).view(-1, 1, 1)
+        s = self.ops.attention(x, x, x, kv_caches[0], meta)
+        self._positions = positions
+        return torch.stack([s.view(-1), positions.to(torch.float64)], dim=1)
+
+    def compute_logits(self, hidden):
+        nxt = ((31 * hidden[:, 0].round().long() + hidden[:, 1].long()) % VOCAB).long()
+        logits = torch.full((hidden.shape[0], VOCAB), -10.0)
+        logits[torch.arange(hidden.shape[0]), nxt] = 10.0
+        return logits
+
+
+class ToyTokenizer:
+    """Token t decodes to one character; token 0 is EOS (special)."""
+
+    eos_token_ids = (EOS,)
+    bos_token_id = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % (VOCAB - 1) + 1 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x40 + t) for t in ids if not (skip_special_tokens and t == EOS))
+
+
+def toy_engine(*, page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64, caching=True, max_model_len=4096):
+    cfg = ModelConfig(
+        architecture="Toy", vocab_size=VOCAB, hidden_size=1, num_layers=1, num_heads=1, num_kv_heads=1,
+        head_dim=1, max_model_len=max_model_len, eos_token_ids=(EOS,),
+    )
+    runner = ModelRunner(
+        ToyModel(), TOY_OPS, cfg, device=torch.device("cpu"), dtype=torch.float64, num_pages=num_pages, page_size=page_size
+    )
+    pool = BlockPool(num_pages, page_size, enable_caching=caching)
+    sched = Scheduler(pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return LLMEngine(
+        runner=runner, tokenizer=ToyTokenizer(), model_config=cfg, pool=pool, scheduler=sched, max_model_len=max_model_len
+    )
+
+
+def run_all(engine: LLMEngine, max_steps: int = 10_000):
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert not engine.has_unfinished(), f"requests left after {max_steps} steps: {engine.stats()}"
+    return done
