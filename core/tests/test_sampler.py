@@ -1,0 +1,104 @@
+"""The sampler on synthetic logits: filters, seeds, penalties, logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from plinth.engine.sampler import SampleRow, Sampler, make_generator
+from plinth.engine.sampling_params import SamplingParams
+
+
+def _row(params, gen=None, prompt=(), out=(), **kw):
+    return SampleRow(params=params, prompt_ids=prompt, output_ids=out, generator=gen, **kw)
+
+
+def _draw(logits, params, seed=None, n=1):
+    sampler = Sampler()
+    gen = make_generator(seed)
+    return [sampler(logits.clone(), [_row(params, gen)])[0][0] for _ in range(n)]
+
+
+def test_greedy_and_top_k_1_take_the_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000)
+    want = logits.argmax(-1).tolist()
+    s = Sampler()
+    assert s(logits, [_row(SamplingParams(temperature=0))] * 4)[0] == want
+    assert s(logits, [_row(SamplingParams(temperature=1.5, top_k=1))] * 4)[0] == want
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 500)
+    p = SamplingParams(temperature=1.0, seed=7)
+    s = Sampler()
+    alone = [s(logits[1:2], [_row(p, make_generator(7))])[0][0] for _ in range(1)]
+    rows = [_row(SamplingParams(temperature=1.0)), _row(p, make_generator(7)), _row(SamplingParams(temperature=0.5))]
+    batched = s(logits, rows)[0][1]
+    assert alone[0] == batched
+    g = make_generator(7)
+    seq_a = [s(logits[1:2], [_row(p, g)])[0][0] for _ in range(20)]
+    g = make_generator(7)
+    seq_b = [s(logits[1:2], [_row(p, g)])[0][0] for _ in range(20)]
+    assert seq_a == seq_b and len(set(seq_a)) > 1
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.05, 0.05]]))
+    seen = set(_draw(logits, SamplingParams(top_k=2, seed=1), seed=1, n=200))
+    assert seen == {0, 1}
+    seen = set(_draw(logits, SamplingParams(top_p=0.75), seed=2, n=300))
+    assert seen == {0, 1, 2}  # 0.4 + 0.3 < 0.75: the third token is needed
+    seen = set(_draw(logits, SamplingParams(min_p=0.6), seed=3, n=200))
+    assert seen == {0, 1}  # 0.2 < 0.6 * 0.4
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    draws = _draw(torch.log(probs)[None], SamplingParams(temperature=1.0), seed=11, n=3000)
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
+    assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    s = Sampler()
+    # repetition: positive logits divided, negative multiplied, for seen tokens
+    p = SamplingParams(temperature=0, repetition_penalty=4.0)
+    assert s(logits.clone(), [_row(p, prompt=[0], out=[])])[0] == [1]  # 2.0 / 4 = 0.5 < 1.0
+    # presence and frequency apply to output tokens
+    p = SamplingParams(temperature=0, frequency_penalty=0.6)
+    assert s(logits.clone(), [_row(p, out=[0, 0])])[0] == [1]  # 2.0 - 1.2 = 0.8 < 1.0
+    p = SamplingParams(temperature=0, presence_penalty=1.5)
+    assert s(logits.clone(), [_row(p, out=[0, 0, 0])])[0] == [1]  # 2.0 - 1.5 = 0.5
+
+
+def test_logprobs_are_the_raw_log_softmax_with_ranks():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 50)
+    p = SamplingParams(temperature=0.7, logprobs=3, seed=5)
+    tokens, lps = Sampler()(logits, [_row(p, make_generator(5)), _row(p, make_generator(6))])
+    ref = torch.log_softmax(logits, -1)
+    for r in range(2):
+        e = lps[r]
+        assert e.token_id == tokens[r]
+        assert math.isclose(e.logprob, ref[r, tokens[r]].item(), abs_tol=1e-5)
+        top = ref[r].topk(3)
+        assert [x.token_id for x in e.top] == top.indices.tolist()
+        assert all(math.isclose(x.logprob, v, abs_tol=1e-5) for x, v in zip(e.top, top.values.tolist()))
+        assert e.rank == int((ref[r] > ref[r, tokens[r]]).sum()) + 1
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = torch.tensor([[5.0, 1.0, 0.0]])
+    tokens, _ = Sampler()(logits, [_row(SamplingParams(temperature=0), banned=[0])])
+    assert tokens == [1]
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_k": 0}, {"min_p": 2}, {"n": 0}, {"logprobs": 50}])
+def test_invalid_params_are_refused(bad):
+    from plinth.errors import RequestError
+
+    with pytest.raises(RequestError):
+        SamplingParams(**bad)
