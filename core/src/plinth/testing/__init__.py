@@ -1,0 +1,93 @@
+"""plinth.testing: the conformance kit a plugin author runs against a plugin.
+
+Two ways to use it, with the same checks behind both:
+
+* functions, which return a ``Report`` and raise ``ConformanceError`` (an
+  ``AssertionError``) listing every problem::
+
+      from plinth.testing import check_registration, check_accelerator
+      check_registration("plinth-plugin-npu")      # any category
+      check_accelerator("npu")                     # the accelerator contract
+
+* pytest base classes, which a plugin's tests subclass::
+
+      from plinth.testing import AcceleratorConformance
+
+      class TestConformance(AcceleratorConformance):
+          name = "npu"
+
+Everything runs against the *installed* distribution through the real
+discovery (``plinth.plugins.PluginRegistry.discover``): install the plugin
+(``pip install -e .``) before running its tests.
+
+What each category checks:
+
+=============  ==========================================  ===========================
+category       function                                    pytest base class
+=============  ==========================================  ===========================
+(every one)    ``check_registration``, ``check_cheap_import``  ``PluginConformance``
+accelerator    ``check_accelerator``                       ``AcceleratorConformance``
+=============  ==========================================  ===========================
+
+Extension points. A later category adds a module here (``backend.py``: ops
+against the reference backend on random inputs; ``a2a.py``: dispatch/combine
+round trips; ``kv_connector.py``: save/lookup/load round trips) with a
+``check_<category>(name, ...) -> Report`` function and a
+``<Category>Conformance(PluginConformance)`` class, and registers the function
+in ``CATEGORY_CHECKS`` below; ``check_plugin`` then dispatches to it.
+Shared pieces to reuse: ``Report`` (collect problems, raise once),
+``discover_all`` (the real discovery, ignoring the shell's allow/block lists),
+``IsolatedEnv`` (a fresh virtual environment for install tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from plinth.testing._report import ConformanceError, Report
+from plinth.testing.accelerator import AcceleratorReport, check_accelerator
+from plinth.testing.conformance import AcceleratorConformance, PluginConformance
+from plinth.testing.isolated import IsolatedEnv
+from plinth.testing.registration import (
+    FORBIDDEN_AT_CHECK,
+    FORBIDDEN_AT_ENTRY_POINT,
+    check_cheap_import,
+    check_registration,
+    discover_all,
+)
+
+#: category -> its check function ``(name, **kwargs) -> Report``; later
+#: categories add theirs (see the module docstring).
+CATEGORY_CHECKS: dict[str, Callable[..., Report]] = {
+    "accelerator": check_accelerator,
+}
+
+
+def check_plugin(category: str, name: str, **kwargs: Any) -> Report:
+    """Run the checks of ``category`` on the plugin registered as ``name``."""
+    try:
+        check = CATEGORY_CHECKS[category]
+    except KeyError:
+        raise NotImplementedError(
+            f"plinth.testing has no {category} checks yet (it has: {', '.join(CATEGORY_CHECKS)}); "
+            "check_registration covers every category"
+        ) from None
+    return check(name, **kwargs)
+
+
+__all__ = [
+    "CATEGORY_CHECKS",
+    "FORBIDDEN_AT_CHECK",
+    "FORBIDDEN_AT_ENTRY_POINT",
+    "AcceleratorConformance",
+    "AcceleratorReport",
+    "ConformanceError",
+    "IsolatedEnv",
+    "PluginConformance",
+    "Report",
+    "check_accelerator",
+    "check_cheap_import",
+    "check_plugin",
+    "check_registration",
+    "discover_all",
+]

@@ -1,0 +1,80 @@
+"""pytest base classes: subclass one in a plugin's tests and set ``name``.
+
+    # plugins/accelerators/npu/tests/test_conformance.py
+    from plinth.testing import AcceleratorConformance
+
+    class TestConformance(AcceleratorConformance):
+        name = "npu"
+
+pytest collects only classes named ``Test*``, so these bases are never
+collected themselves. They do not import pytest until a test runs, and the
+functions they call (``check_registration``, ``check_accelerator``, ...) work
+without pytest too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from plinth.testing.accelerator import check_accelerator
+from plinth.testing.registration import check_cheap_import, check_registration, discover_all
+
+
+class PluginConformance:
+    """Checks every plugin passes, whatever its category.
+
+    category:     the plinth category ("accelerator", "backend", "model", "a2a",
+                  "kv_connector"); set by the category's subclass.
+    name:         the name the plugin registers (``--device npu`` -> "npu").
+    distribution: the distribution to check; default: the one that registers
+                  ``name`` in ``category``.
+    naming:       check the naming rule (``plinth-plugin-<name>``); set False
+                  for a distribution named otherwise.
+    """
+
+    category: ClassVar[str] = ""
+    name: ClassVar[str] = ""
+    distribution: ClassVar[str | None] = None
+    naming: ClassVar[bool] = True
+
+    def plugin_distribution(self) -> str:
+        if self.distribution:
+            return self.distribution
+        assert self.category and self.name, f"{type(self).__name__}: set `name` (and `category`)"
+        return discover_all().get(self.category, self.name).distribution
+
+    def test_registration(self) -> None:
+        """Entry point loads through discovery; descriptors valid; impl imports."""
+        check_registration(self.plugin_distribution(), naming=self.naming, cheap_import=False)
+
+    def test_entry_point_is_cheap(self) -> None:
+        """Importing the entry point imports no torch/vendor SDK; check() no vendor SDK."""
+        check_cheap_import(self.plugin_distribution())
+
+
+class AcceleratorConformance(PluginConformance):
+    """The registration checks plus the accelerator checks.
+
+    require_available: True makes the device checks fail (not skip) when the
+    accelerator is unavailable; None (default) requires it only when its name
+    is in $PLINTH_REQUIRE_ACCELERATORS.
+    """
+
+    category: ClassVar[str] = "accelerator"
+    require_available: ClassVar[bool | None] = None
+
+    def test_check_answers(self) -> None:
+        """check() answers with reasons; the class names device type and backend."""
+        check_accelerator(self.name, device=False, require_available=False)
+
+    def test_device(self) -> None:
+        """info(), memory(), init_process(), device(), round trips (when available)."""
+        report = check_accelerator(self.name, require_available=self.require_available)
+        if not report.available:
+            _skip(f"{self.name} is unavailable here: {'; '.join(report.reasons)}")
+
+
+def _skip(reason: str) -> Any:
+    import pytest
+
+    pytest.skip(reason)

@@ -1,0 +1,1 @@
+"""plinth accelerator plugin for Huawei Ascend NPUs (torch_npu + dlinfer, HCCL)."""

@@ -1,0 +1,1 @@
+"""plinth accelerator plugin for NVIDIA GPUs (torch.cuda, NCCL)."""

@@ -1,0 +1,1 @@
+"""plinth accelerator plugin for Google TPUs (torch_xla)."""

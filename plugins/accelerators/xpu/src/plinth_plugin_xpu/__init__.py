@@ -1,0 +1,1 @@
+"""plinth accelerator plugin for Intel GPUs (torch.xpu, XCCL)."""
