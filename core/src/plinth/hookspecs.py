@@ -289,8 +289,12 @@ class Accelerator(PluginImpl):
 #:
 #:   rms_norm(x, weight, eps, residual=None)
 #:       -> y, or (y, x + residual) when residual is given (the fused add)
-#:   linear(x, weight, bias=None) -> x @ weight.T (+ bias); weight is a tensor
-#:       or a ``QuantizedWeight``
+#:   pack_linear(weight) -> packed: once per weight at load time, turn a
+#:       [out, in] tensor (or a ``QuantizedWeight``) into what this backend's
+#:       linear takes (a pre-blocked layout, say); the reference returns it as is.
+#:       Models store the result and only ever hand it to ``linear``.
+#:   linear(x, weight, bias=None) -> x @ weight.T (+ bias); weight is what
+#:       pack_linear returned
 #:   silu_and_mul(x) -> silu(x[..., :d]) * x[..., d:]
 #:   rotary(q, k, positions, cos_sin, is_neox) -> (q, k); cos_sin is the
 #:       model's [max_pos, rotary_dim] table (cos half, then sin half)
@@ -304,6 +308,7 @@ class Accelerator(PluginImpl):
 #:   fused_moe(x, w13, w2, topk_weights, topk_ids) -> y (experts of this rank)
 OP_NAMES: tuple[str, ...] = (
     "rms_norm",
+    "pack_linear",
     "linear",
     "silu_and_mul",
     "rotary",
@@ -332,8 +337,11 @@ class QuantizedWeight:
 class Backend(PluginImpl):
     """A table of compute ops. Instantiated once per process after selection."""
 
-    def __init__(self, ctx: SelectionContext) -> None:
+    def __init__(self, ctx: SelectionContext, reference: Mapping[str, Callable[..., Any]] | None = None) -> None:
         self.ctx = ctx
+        #: the reference backend's ops (None in the reference itself): call
+        #: them for the cases this backend does not handle
+        self.reference = reference or {}
 
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         """The ops this backend provides for ``self.ctx``: a subset of

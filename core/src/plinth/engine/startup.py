@@ -59,20 +59,30 @@ class Components:
         }
 
 
+#: ops that only work together: taken from one backend or not at all
+OP_PAIRS = (("pack_linear", "linear"),)
+
+
 def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[Any, dict[str, str]]:
     """The op table: the chosen backend's ops over the reference backend's."""
     references = [e for e in registry.entries["backend"] if e.descriptor.reference and not e.evaluate(ctx)]
     table: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    layers = [references[0], chosen] if references and references[0] is not chosen else [chosen]
-    for entry in layers:
-        ops = entry.load()(ctx).ops()
-        unknown = set(ops) - set(OP_NAMES)
-        if unknown:
-            raise PluginError(f"backend {entry.label()} provides unknown ops: {', '.join(sorted(unknown))}")
-        for name, fn in ops.items():
-            table[name] = fn
-            sources[name] = entry.name
+    reference_ops: dict[str, Any] = {}
+    if references and references[0] is not chosen:
+        reference_ops = dict(references[0].load()(ctx).ops())
+        table.update(reference_ops)
+        sources.update({name: references[0].name for name in reference_ops})
+    ops = chosen.load()(ctx, reference_ops).ops()
+    unknown = set(ops) - set(OP_NAMES)
+    if unknown:
+        raise PluginError(f"backend {chosen.label()} provides unknown ops: {', '.join(sorted(unknown))}")
+    for pair in OP_PAIRS:
+        given = [op for op in pair if op in ops]
+        if given and len(given) != len(pair):
+            raise PluginError(f"backend {chosen.label()} must provide {' and '.join(pair)} together")
+    table.update(ops)
+    sources.update({name: chosen.name for name in ops})
     missing = [op for op in OP_NAMES if op not in table]
     if missing:
         log.info("ops with no implementation (models needing them will fail to load): %s", ", ".join(missing))

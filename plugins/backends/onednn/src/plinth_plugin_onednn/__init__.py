@@ -1,0 +1,1 @@
+"""plinth backend plugin: oneDNN pre-packed linear layers for CPUs."""
