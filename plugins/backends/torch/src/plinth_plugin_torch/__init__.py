@@ -1,0 +1,1 @@
+"""plinth's reference backend: every op in plain PyTorch, on any torch device."""

@@ -1,0 +1,251 @@
+"""Paged attention in plain PyTorch.
+
+``prepare_attention`` runs once per step and turns the batch metadata into a
+plan (stashed in ``meta.backend_state["torch"]``) that every layer reuses:
+
+* decode sequences (one query token each) are attended together with one
+  batched SDPA call over their gathered pages, padded to the longest, with a
+  padding mask; grouped-query heads ride along as extra query rows of their
+  KV head, so K/V are never repeated;
+* every other sequence (a prefill chunk, possibly with a cached prefix) gets
+  its own SDPA call: plain ``is_causal`` when the chunk starts at position 0,
+  else an offset-causal mask over prefix + chunk.
+
+Masks for a sliding window (and the logit soft cap path) are built on first
+use in a step and cached in the plan, so layers never rebuild them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from plinth.api import AttentionMetadata
+
+STATE_KEY = "torch"
+
+
+@dataclass
+class DecodePlan:
+    """Sequences with one query token, attended in one batched call."""
+
+    num_seqs: int
+    num_pages: int  # pages gathered per sequence (the longest one's)
+    page_index: torch.Tensor  # [num_seqs * num_pages] int64, pages to gather
+    seq_lens: torch.Tensor  # [num_seqs]
+    token_index: torch.Tensor | None  # their rows in the flat batch; None: all rows, in order
+    key_positions: torch.Tensor  # [num_pages * page_size]
+    masks: dict[Any, torch.Tensor | None] = field(default_factory=dict)  # window -> [B, 1, 1, L]
+
+
+@dataclass
+class PrefillPlan:
+    """One sequence with a chunk of query tokens (maybe after a cached prefix)."""
+
+    start: int  # its rows in the flat batch: start:end
+    end: int
+    seq_len: int  # context length including the chunk
+    pages: torch.Tensor | None  # int64 pages holding its context; None when there is no prefix
+    masks: dict[Any, torch.Tensor | None] = field(default_factory=dict)  # window -> [q, s] or None (causal)
+
+    @property
+    def query_len(self) -> int:
+        return self.end - self.start
+
+    @property
+    def prefix_len(self) -> int:
+        return self.seq_len - self.query_len
+
+
+@dataclass
+class AttentionPlan:
+    num_tokens: int
+    decode: DecodePlan | None
+    prefills: list[PrefillPlan]
+
+
+def prepare_attention(meta: AttentionMetadata) -> None:
+    """Once per step, before the layers: build the plan every layer reuses."""
+    build_plan(meta)
+
+
+def build_plan(meta: AttentionMetadata) -> AttentionPlan:
+    """This step's plan, from the host-side lengths (no device sync)."""
+    query_lens = list(meta.query_lens_cpu)
+    seq_lens = list(meta.seq_lens_cpu)
+    page_size = meta.page_size
+    device = meta.block_tables.device
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+
+    decode_ids = [i for i, n in enumerate(query_lens) if n == 1]
+    decode = None
+    if decode_ids:
+        num_pages = -(-max(seq_lens[i] for i in decode_ids) // page_size)
+        if len(decode_ids) == len(query_lens):
+            tables, lens, token_index = meta.block_tables, meta.seq_lens, None
+        else:
+            sel = torch.tensor(decode_ids, dtype=torch.long, device=device)
+            tables = meta.block_tables.index_select(0, sel)
+            lens = meta.seq_lens.index_select(0, sel.to(meta.seq_lens.device))
+            token_index = torch.tensor([starts[i] for i in decode_ids], dtype=torch.long, device=device)
+        decode = DecodePlan(
+            num_seqs=len(decode_ids),
+            num_pages=num_pages,
+            page_index=tables[:, :num_pages].reshape(-1).long(),
+            seq_lens=lens.to(device=device, dtype=torch.long),
+            token_index=token_index,
+            key_positions=torch.arange(num_pages * page_size, device=device),
+        )
+
+    prefills = []
+    for i, n in enumerate(query_lens):
+        if n == 1 or n == 0:
+            continue
+        pages = None
+        if seq_lens[i] > n:  # a cached prefix: read the context back from the pages
+            pages = meta.block_tables[i, : -(-seq_lens[i] // page_size)].long()
+        prefills.append(PrefillPlan(start=starts[i], end=starts[i] + n, seq_len=seq_lens[i], pages=pages))
+
+    plan = AttentionPlan(num_tokens=starts[-1], decode=decode, prefills=prefills)
+    meta.backend_state[STATE_KEY] = plan
+    return plan
+
+
+def _decode_mask(plan: DecodePlan, window: int | None) -> torch.Tensor | None:
+    if window not in plan.masks:
+        pos = plan.key_positions.unsqueeze(0)
+        lens = plan.seq_lens.unsqueeze(1)
+        valid = pos < lens
+        if window is not None:
+            valid &= pos >= lens - window
+        plan.masks[window] = valid[:, None, None, :]
+    return plan.masks[window]
+
+
+def _prefill_mask(plan: PrefillPlan, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[q, s] boolean (True = attend), or None for plain causal from 0."""
+    if window not in plan.masks:
+        if plan.prefix_len == 0 and window is None:
+            plan.masks[window] = None
+        else:
+            q_pos = torch.arange(plan.prefix_len, plan.seq_len, device=device).unsqueeze(1)
+            k_pos = torch.arange(plan.seq_len, device=device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            plan.masks[window] = mask
+    return plan.masks[window]
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    logit_cap: float | None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale [capped], masked) v over the last two dims."""
+    if logit_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = logit_cap * torch.tanh(scores / logit_cap)
+    if mask is None and is_causal:
+        lq, lk = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def _write_pages(pages: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    pages.view(-1, *pages.shape[2:]).index_copy_(0, slots, x.to(pages.dtype))
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: Any,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+) -> torch.Tensor:
+    """Write k, v [T, Hkv, D] into the pages at meta.slot_mapping, then attend
+    q [T, Hq, D] causally over each sequence's pages. -> [T, Hq, Dv]."""
+    plan: AttentionPlan | None = meta.backend_state.get(STATE_KEY)
+    if plan is None:
+        plan = build_plan(meta)
+    k_pages, v_pages = kv_cache
+    slots = meta.slot_mapping.long()
+    _write_pages(k_pages, k, slots)
+    if v_pages is None:  # V shares K's cache (MLA-style): V is read from the K pages
+        v_pages = k_pages
+    else:
+        _write_pages(v_pages, v, slots)
+
+    num_tokens, num_heads, _ = q.shape
+    num_kv_heads = k_pages.shape[2]
+    group = num_heads // num_kv_heads
+    head_dim_v = v_pages.shape[-1]
+    window = sliding_window if sliding_window and sliding_window > 0 else None
+
+    decode = plan.decode
+    if decode is not None and not plan.prefills and decode.token_index is None:
+        return _decode(q, k_pages, v_pages, decode, window, scale, logit_cap, group)
+
+    out = q.new_empty(num_tokens, num_heads, head_dim_v)
+    if decode is not None:
+        qd = q.index_select(0, decode.token_index) if decode.token_index is not None else q
+        od = _decode(qd, k_pages, v_pages, decode, window, scale, logit_cap, group)
+        if decode.token_index is None:
+            out.copy_(od)
+        else:
+            out.index_copy_(0, decode.token_index, od)
+    for p in plan.prefills:
+        qi = q[p.start : p.end].transpose(0, 1)  # [Hq, q, D]
+        if p.pages is None:
+            ki, vi = k[p.start : p.end], v[p.start : p.end]
+        else:
+            ki = k_pages.index_select(0, p.pages).flatten(0, 1)[: p.seq_len].to(q.dtype)
+            vi = v_pages.index_select(0, p.pages).flatten(0, 1)[: p.seq_len].to(q.dtype)
+        ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hkv, s, D]
+        if group > 1:
+            ki = ki.repeat_interleave(group, 0)
+            vi = vi.repeat_interleave(group, 0)
+        mask = _prefill_mask(p, window, q.device)
+        oi = _attend(qi, ki, vi, mask, True, scale, logit_cap)
+        out[p.start : p.end] = oi.transpose(0, 1)
+    return out
+
+
+def _decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: DecodePlan,
+    window: int | None,
+    scale: float,
+    logit_cap: float | None,
+    group: int,
+) -> torch.Tensor:
+    """One batched SDPA for B single-token queries over their padded pages."""
+    b, num_heads = plan.num_seqs, q.shape[1]
+    num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
+    length = plan.num_pages * k_pages.shape[1]
+    keys = k_pages.index_select(0, plan.page_index).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_pages.index_select(0, plan.page_index).view(b, length, num_kv_heads, v_pages.shape[3]).transpose(1, 2)
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    # the `group` query heads sharing a KV head become `group` query rows
+    qg = q.reshape(b, num_kv_heads, group, head_dim)
+    out = _attend(qg, keys, values, _decode_mask(plan, window), False, scale, logit_cap)
+    return out.reshape(b, num_heads, values.shape[-1])

@@ -1,0 +1,290 @@
+"""The dense ops of the reference backend: norms, linear (plain and weight-only
+quantized), activation, rotary embedding, page copies and MoE experts.
+
+Every op follows the signatures documented with ``OP_NAMES`` in
+``plinth.hookspecs``. They run on any torch device; on a CPU with oneDNN,
+``pack_linear`` puts bf16 weights in oneDNN's blocked layout, which its
+matmul reads about twice as fast as ``F.linear`` reads a plain weight for
+the small batches of decoding.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from plinth.api import QuantizedWeight
+
+# ---- rms_norm ------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None):
+    """y = x / rms(x) * weight; with ``residual``, first x = x + residual and
+    return (y, x) so the caller keeps the summed stream for the next block."""
+    if residual is not None:
+        x = x + residual
+        return F.rms_norm(x, (x.shape[-1],), weight, eps), x
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+# ---- linear --------------------------------------------------------------------
+
+#: set PLINTH_TORCH_PACK=0 to keep plain [out, in] tensors (F.linear) on CPU
+_PACK_ENABLED = os.environ.get("PLINTH_TORCH_PACK", "1") != "0"
+
+
+def _onednn_bf16_available() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN_BF16 = _PACK_ENABLED and _onednn_bf16_available()
+
+
+class PackedLinearWeight:
+    """A CPU bf16 weight in oneDNN's blocked layout, which its matmul reads
+    about twice as fast as a plain [out, in] tensor for decode-sized batches.
+    ``dense()`` gives the plain tensor back (for code that cannot use it)."""
+
+    __slots__ = ("packed", "shape", "dtype", "device")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        self.shape = tuple(weight.shape)
+        self.dtype = weight.dtype
+        self.device = weight.device
+
+    def dense(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    def __repr__(self) -> str:
+        return f"PackedLinearWeight(shape={self.shape}, dtype={self.dtype})"
+
+
+def pack_linear(weight: torch.Tensor | QuantizedWeight) -> Any:
+    """Once per weight at load time: a bf16 [out, in] CPU tensor becomes a
+    ``PackedLinearWeight`` (where oneDNN has bf16 kernels); anything else is
+    returned as is."""
+    if (
+        _ONEDNN_BF16
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype is torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.numel() > 0
+    ):
+        return PackedLinearWeight(weight)
+    return weight
+
+
+def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); weight is a tensor, a ``QuantizedWeight``
+    (dequantized to x's dtype) or what ``pack_linear`` returned."""
+    if isinstance(weight, PackedLinearWeight):
+        if x.dtype is weight.dtype and (bias is None or bias.dtype is weight.dtype) and not (
+            torch.is_grad_enabled() and x.requires_grad
+        ):
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, x.shape[-1])
+            if not x2.is_contiguous():
+                x2 = x2.contiguous()
+            y = torch.ops.mkldnn._linear_pointwise(x2, weight.packed, bias, "none", [], "")
+            return y.view(*lead, y.shape[-1])
+        weight = weight.dense().to(x.dtype)
+    elif isinstance(weight, QuantizedWeight):
+        weight = dequantize_weight(weight, x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def _expand_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: tuple[int, int] | None) -> torch.Tensor:
+    """The scale broadcast to the weight's [out, in] shape, in float32."""
+    n, k = shape
+    s = scale.to(torch.float32)
+    if s.numel() == 1:
+        return s.reshape(1, 1)
+    if block_size is not None:
+        bn, bk = block_size
+        s = s.reshape((n + bn - 1) // bn, (k + bk - 1) // bk)
+        return s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    if s.numel() == n:  # per output channel
+        return s.reshape(n, 1)
+    if s.dim() == 2 and s.shape[0] == n and k % s.shape[1] == 0:  # per group along the input
+        return s.repeat_interleave(k // s.shape[1], 1)
+    raise ValueError(f"cannot broadcast a scale of shape {tuple(scale.shape)} to a weight of shape {shape}")
+
+
+#: the QuantizedWeight formats this backend can dequantize (weight-only)
+QUANT_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def dequantize_weight(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [out, in] weight in ``dtype``: qweight * scale (per tensor,
+    per output channel, per input group, or per [bn, bk] block)."""
+    if weight.format not in QUANT_FORMATS:
+        raise ValueError(f"torch backend: unsupported quantized weight format {weight.format!r} (supports {QUANT_FORMATS})")
+    n, k = weight.shape
+    q = weight.qweight.reshape(n, k).to(torch.float32)
+    return (q * _expand_scale(weight.scale, (n, k), weight.block_size)).to(dtype)
+
+
+# ---- activation -------------------------------------------------------------------
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for the fused gate/up projection."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+# ---- rotary -----------------------------------------------------------------------
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The in-place modification counter; None for inference-mode tensors,
+    which do not keep one."""
+    return None if t.is_inference() else t._version
+
+
+_TABLES_ATTR = "_plinth_rotary_tables"
+
+
+def _full_tables(cos_sin: torch.Tensor, dtype: torch.dtype, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[max_pos, rotary_dim] cos and signed-sin tables laid out for one
+    multiply-add per rotated feature, made once per table and kept on it."""
+    tables = cos_sin.__dict__.setdefault(_TABLES_ATTR, {})
+    key = (dtype, is_neox)
+    if key not in tables:
+        half = cos_sin.shape[-1] // 2
+        cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+        if is_neox:
+            cos_full, sin_signed = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+        else:
+            cos_full, sin_signed = cos.repeat_interleave(2, -1), torch.stack((-sin, sin), -1).flatten(-2)
+        # cast before multiplying, as transformers does
+        tables[key] = (cos_full.to(dtype).contiguous(), sin_signed.to(dtype).contiguous())
+    return tables[key]
+
+
+class _RotaryMemo:
+    """The last step's cos/sin rows: every layer rotates with the same
+    ``positions`` tensor, so the rows are gathered once per step. Keyed by
+    identity and version, so a positions buffer refilled in place is noticed
+    (inference-mode tensors have no version: those are gathered every call)."""
+
+    __slots__ = ("positions", "version", "table", "dtype", "is_neox", "cos", "sin")
+
+    def __init__(self) -> None:
+        self.positions = self.version = self.table = self.dtype = self.is_neox = self.cos = self.sin = None
+
+
+_rotary_memo = _RotaryMemo()
+
+
+def _rotary_factors(positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype, is_neox: bool):
+    m = _rotary_memo
+    version = _version(positions)
+    if (
+        version is not None
+        and m.positions is positions
+        and m.version == version
+        and m.table is cos_sin
+        and m.dtype == dtype
+        and m.is_neox == is_neox
+    ):
+        return m.cos, m.sin
+    cos_full, sin_signed = _full_tables(cos_sin, dtype, is_neox)
+    index = positions.reshape(-1)
+    cos = cos_full.index_select(0, index).unsqueeze(1)  # [T, 1, rotary_dim]
+    sin = sin_signed.index_select(0, index).unsqueeze(1)
+    if version is not None:
+        m.positions, m.version, m.table, m.dtype, m.is_neox, m.cos, m.sin = (
+            positions, version, cos_sin, dtype, is_neox, cos, sin
+        )
+    return cos, sin
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    flat = x.dim() == 2
+    rd = cos.shape[-1]
+    if flat:  # [T, H * D] with D == rotary_dim
+        x = x.view(x.shape[0], -1, rd)
+    xr = x[..., :rd]
+    if is_neox:
+        half = rd // 2
+        swapped = torch.cat((xr[..., half:], xr[..., :half]), -1)
+    else:
+        swapped = torch.stack((xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
+    out = xr * cos + swapped * sin
+    if rd < x.shape[-1]:
+        out = torch.cat((out, x[..., rd:]), -1)
+    return out.flatten(1) if flat else out
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, is_neox: bool):
+    """Rotary position embedding of q [T, Hq, D] and k [T, Hkv, D] (or flat
+    [T, H * D] when D is the rotary dim). cos_sin: [max_pos, rotary_dim], the
+    cos half then the sin half; the first rotary_dim features of each head
+    rotate, in halves (neox) or in even/odd pairs (GPT-J)."""
+    cos, sin = _rotary_factors(positions, cos_sin, q.dtype, is_neox)
+    return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+
+
+# ---- pages -------------------------------------------------------------------------
+
+
+def _index(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.long)
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+def copy_pages(kv_caches: Sequence[Any], src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
+    """Copy whole pages src[i] -> dst[i] in every layer's K and V pages."""
+    if len(src) == 0:
+        return
+    for cache in kv_caches:
+        for pages in cache:
+            if pages is None:
+                continue
+            s, d = _index(src, pages.device), _index(dst, pages.device)
+            pages.index_copy_(0, d, pages.index_select(0, s))
+
+
+# ---- MoE -----------------------------------------------------------------------------
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture-of-experts MLP, reference form: for each expert that got tokens,
+    y += weight * down(silu(gate(x)) * up(x)).
+
+    x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
+    topk_weights / topk_ids [T, K]. Ids outside [0, E) belong to other ranks
+    and are skipped. Accumulates in float32; returns x's dtype.
+    """
+    num_experts = w13.shape[0]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_weights = topk_weights.reshape(-1)
+    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[-1])
+    local = (flat_ids >= 0) & (flat_ids < num_experts)
+    counts = torch.bincount(flat_ids[local], minlength=num_experts).tolist()  # one host sync
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        sel = torch.nonzero(flat_ids == e, as_tuple=True)[0]
+        tokens = token_of[sel]
+        h = silu_and_mul(linear(x.index_select(0, tokens), w13[e]))
+        y = linear(h, w2[e]).to(torch.float32) * flat_weights[sel].to(torch.float32).unsqueeze(1)
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)
