@@ -59,26 +59,9 @@ def test_linear(dtype, rows):
     assert ops.linear(x.view(1, rows, 80), w).shape == (1, rows, 48)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_packed_linear_matches_plain(rows):
-    g = torch.Generator().manual_seed(6)
-    w = torch.randn(48, 80, generator=g).bfloat16()
-    b = torch.randn(48, generator=g).bfloat16()
-    x = torch.randn(rows, 80, generator=g).bfloat16()
-    packed = ops.pack_linear(w)
-    if ops._ONEDNN_BF16:
-        assert isinstance(packed, ops.PackedLinearWeight)
-        torch.testing.assert_close(packed.dense(), w)
-    expected = x.double() @ w.double().T + b.double()
-    torch.testing.assert_close(ops.linear(x, packed, b).double(), expected, atol=0.15, rtol=2e-2)
-    # fp32 activations still work (the weight is unpacked for them)
-    torch.testing.assert_close(ops.linear(x.float(), packed).double(), x.double() @ w.double().T, atol=1e-3, rtol=1e-3)
-    assert ops.linear(x.view(1, rows, 80), packed).shape == (1, rows, 48)
-
-
-def test_pack_linear_leaves_other_weights_alone():
-    w32 = torch.randn(4, 8)
-    assert ops.pack_linear(w32) is w32
+def test_pack_linear_is_the_identity():
+    w = torch.randn(4, 8).bfloat16()
+    assert ops.pack_linear(w) is w
     qw = QuantizedWeight("int8", torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), (4, 8))
     assert ops.pack_linear(qw) is qw
 
@@ -210,4 +193,4 @@ def test_ops_under_inference_mode():
         assert not torch.allclose(q1, q2)
         w = torch.randn(8, 16).bfloat16()
         x = torch.randn(2, 16).bfloat16()
-        torch.testing.assert_close(ops.linear(x, ops.pack_linear(w)).float(), F.linear(x, w).float(), atol=0.1, rtol=2e-2)
+        torch.testing.assert_close(ops.linear(x, ops.pack_linear(w)).float(), F.linear(x, w).float())

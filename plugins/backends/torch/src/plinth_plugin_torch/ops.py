@@ -2,15 +2,11 @@
 quantized), activation, rotary embedding, page copies and MoE experts.
 
 Every op follows the signatures documented with ``OP_NAMES`` in
-``plinth.hookspecs``. They run on any torch device; on a CPU with oneDNN,
-``pack_linear`` puts bf16 weights in oneDNN's blocked layout, which its
-matmul reads about twice as fast as ``F.linear`` reads a plain weight for
-the small batches of decoding.
+``plinth.hookspecs`` and runs on any torch device.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
@@ -32,71 +28,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
 
 # ---- linear --------------------------------------------------------------------
 
-#: set PLINTH_TORCH_PACK=0 to keep plain [out, in] tensors (F.linear) on CPU
-_PACK_ENABLED = os.environ.get("PLINTH_TORCH_PACK", "1") != "0"
 
-
-def _onednn_bf16_available() -> bool:
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_ONEDNN_BF16 = _PACK_ENABLED and _onednn_bf16_available()
-
-
-class PackedLinearWeight:
-    """A CPU bf16 weight in oneDNN's blocked layout, which its matmul reads
-    about twice as fast as a plain [out, in] tensor for decode-sized batches.
-    ``dense()`` gives the plain tensor back (for code that cannot use it)."""
-
-    __slots__ = ("packed", "shape", "dtype", "device")
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-        self.shape = tuple(weight.shape)
-        self.dtype = weight.dtype
-        self.device = weight.device
-
-    def dense(self) -> torch.Tensor:
-        return self.packed.to_dense()
-
-    def __repr__(self) -> str:
-        return f"PackedLinearWeight(shape={self.shape}, dtype={self.dtype})"
-
-
-def pack_linear(weight: torch.Tensor | QuantizedWeight) -> Any:
-    """Once per weight at load time: a bf16 [out, in] CPU tensor becomes a
-    ``PackedLinearWeight`` (where oneDNN has bf16 kernels); anything else is
-    returned as is."""
-    if (
-        _ONEDNN_BF16
-        and isinstance(weight, torch.Tensor)
-        and weight.dtype is torch.bfloat16
-        and weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.numel() > 0
-    ):
-        return PackedLinearWeight(weight)
+def pack_linear(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+    """The reference keeps weights as they are (the onednn backend, for one,
+    repacks them into a blocked layout)."""
     return weight
 
 
-def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); weight is a tensor, a ``QuantizedWeight``
-    (dequantized to x's dtype) or what ``pack_linear`` returned."""
-    if isinstance(weight, PackedLinearWeight):
-        if x.dtype is weight.dtype and (bias is None or bias.dtype is weight.dtype) and not (
-            torch.is_grad_enabled() and x.requires_grad
-        ):
-            lead = x.shape[:-1]
-            x2 = x.reshape(-1, x.shape[-1])
-            if not x2.is_contiguous():
-                x2 = x2.contiguous()
-            y = torch.ops.mkldnn._linear_pointwise(x2, weight.packed, bias, "none", [], "")
-            return y.view(*lead, y.shape[-1])
-        weight = weight.dense().to(x.dtype)
-    elif isinstance(weight, QuantizedWeight):
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); a ``QuantizedWeight`` is dequantized to x's dtype."""
+    if isinstance(weight, QuantizedWeight):
         weight = dequantize_weight(weight, x.dtype)
     return F.linear(x, weight, bias)
 
