@@ -92,7 +92,56 @@ def _details(row: dict[str, Any]) -> str:
     return row.get("summary") or row.get("description", "")
 
 
+def resolve_choices(
+    registry: PluginRegistry, choices: dict[str, str | None], *, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Resolve plugin choices the way start-up does, before any model is read.
+
+    The accelerator is always resolved (a name, or ``auto``: the highest
+    priority that validates); the backend, a2a and KV connector are validated
+    when named, with the chosen accelerator in the context. ``auto`` for those
+    depends on the model and dtype, so it is reported as such. Raises
+    ``PluginError`` (with every candidate's reasons) when a choice fails.
+    Returns category -> ``PluginEntry`` (or a string for a deferred ``auto``).
+    """
+    from plinth.hookspecs import SelectionContext
+
+    ctx = SelectionContext(options=dict(options or {}))
+    accel = registry.select("accelerator", choices.get("accelerator") or "auto", ctx)
+    selected: dict[str, Any] = {"accelerator": accel}
+    ctx.accelerator = accel.load()()
+    prefer: tuple[str, ...] = ()
+    try:
+        prefer = tuple(ctx.accelerator.info().preferred_backends)
+    except Exception as exc:  # info() may need the device; selection does not
+        log.debug("info() of %s failed: %s", accel.name, exc)
+    for category in ("backend", "a2a", "kv_connector"):
+        name = choices.get(category)
+        if name and name != "auto":
+            selected[category] = registry.select(category, name, ctx, prefer=prefer)
+        elif category == "backend" and registry.entries["backend"]:
+            order = ", ".join(prefer) or "priority"
+            selected[category] = f"auto (chosen at start-up with the model; tries {order} first)"
+    return selected
+
+
+def _check_choices(args: argparse.Namespace) -> dict[str, str | None] | None:
+    """The choices given to `platform plugins`; None when nothing is to be checked."""
+    choices = {c: getattr(args, CATEGORY_OPTIONS[c][0].lstrip("-").replace("-", "_"), None) for c in CATEGORY_OPTIONS}
+    if not args.check and not any(v and v != "auto" for v in choices.values()):
+        return None
+    return choices
+
+
 def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
+    choices = _check_choices(args)
+    selected: dict[str, Any] = {}
+    error = None
+    if choices is not None:
+        try:
+            selected = resolve_choices(registry, choices)
+        except PlinthError as exc:
+            error = exc
     rows = registry.report()
     for row in rows:  # an available accelerator says what it found
         if row["category"] == "accelerator" and row["status"] == "ok":
@@ -106,14 +155,28 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
                 row["info"] = vars(info)
             except Exception as exc:
                 row["status"], row["reasons"] = "failed", [f"info() raised {type(exc).__name__}: {exc}"]
+    usable = sorted((r for r in rows if r["category"] == "accelerator" and r["status"] == "ok"), key=lambda r: (-r["priority"], r["name"]))
+    auto = usable[0] if usable else None  # what `--device auto` takes (select() orders the same way)
     if args.json:
-        json.dump({"core": __version__, "plugin_api": _api_version(), "plugins": rows}, sys.stdout, indent=2, default=str)
+        doc: dict[str, Any] = {"core": __version__, "plugin_api": _api_version(), "plugins": rows}
+        doc["auto"] = {"accelerator": auto["name"] if auto else None}
+        if choices is not None:
+            doc["selected"] = {
+                c: (e if isinstance(e, str) else {"name": e.name, "distribution": e.distribution, "version": e.version})
+                for c, e in selected.items()
+            }
+            doc["error"] = str(error) if error else None
+        json.dump(doc, sys.stdout, indent=2, default=str)
         print()
-        return 0
+        if error:
+            print(f"error: {error}", file=sys.stderr)
+        return 2 if error else 1 if registry.duplicates() else 0
     if not rows:
         print("No plinth plugins are installed.")
         print(f"plinth needs at least an accelerator, a backend and a model plugin: {install_hint()}.")
         print("From a checkout, `make setup` installs all of them.")
+        if error:
+            raise error
         return 0
     headers = ("CATEGORY", "NAME", "DISTRIBUTION", "VERSION", "STATUS", "DETAILS")
     table = [(r["category"], r["name"], r["distribution"], r["version"], r["status"], _details(r)) for r in rows]
@@ -123,9 +186,21 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
         print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
     for dup in registry.duplicates():
         print(f"error: {dup}", file=sys.stderr)
+    if registry.entries["accelerator"]:
+        print(
+            f"\n--device auto chooses: {auto['name']} ({auto['distribution']} {auto['version']})"
+            if auto
+            else "\n--device auto chooses: nothing (no accelerator is usable here)"
+        )
     missing = [c for c in ("accelerator", "backend", "model") if not registry.entries[c]]
     if missing:
         print(f"\nno {', '.join(missing)} plugin installed: {install_hint()}.")
+    if error:
+        raise error
+    if choices is not None:
+        print("\nselected (as `platform serve` would choose):")
+        for category, entry in selected.items():
+            print(f"  {category:<13} {entry if isinstance(entry, str) else entry.label()}")
     return 1 if registry.duplicates() else 0
 
 
@@ -164,13 +239,33 @@ def build_parser(registry: PluginRegistry) -> argparse.ArgumentParser:
     parser.add_argument("--plugins-allow", default=None, help=f"only these plugins (comma-separated; env {ALLOW_ENV})")
     parser.add_argument("--plugins-block", default=None, help=f"never these plugins (comma-separated; env {BLOCK_ENV})")
     parser.add_argument("--log-level", default=os.environ.get("PLINTH_LOG_LEVEL", "INFO"))
+    # the same global options are accepted after the subcommand too
+    # (`platform serve --plugins-block cuda`); _pre_parse reads them from anywhere
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("plugin lists and logging (also accepted before the command)")
+    g.add_argument("--plugins-allow", default=argparse.SUPPRESS, help=f"only these plugins (comma-separated; env {ALLOW_ENV})")
+    g.add_argument("--plugins-block", default=argparse.SUPPRESS, help=f"never these plugins (comma-separated; env {BLOCK_ENV})")
+    g.add_argument("--log-level", default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("plugins", help="list installed plugins and whether each can run here")
+    p = sub.add_parser("plugins", parents=[common], help="list installed plugins and whether each can run here")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also resolve the plugin choices as `platform serve` would and fail (exit 2) with every "
+        "candidate's reasons if one cannot be used; naming a plugin below implies --check",
+    )
+    for category, (flag, default) in CATEGORY_OPTIONS.items():
+        p.add_argument(
+            flag,
+            default=None,
+            metavar=_choices(registry, category, default == "auto"),
+            help=f"the {category.replace('_', ' ')} plugin to check (default: {default or 'none'})",
+        )
     p.set_defaults(_run=cmd_plugins)
     for name, (module, func, help_text) in SUBCOMMANDS.items():
         mod = importlib.import_module(module)
-        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
         getattr(mod, f"add_{func}_arguments")(sp, registry)
         sp.set_defaults(_run=lambda a, r, m=mod, f=func: getattr(m, f)(a, r))
     return parser

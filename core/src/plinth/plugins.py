@@ -217,10 +217,15 @@ class PluginRegistry:
                 if info.name == ep.name and info.value == ep.value:
                     info.status, info.error = FAILED, f"{type(exc).__name__}: {exc}"
 
-        if wanted:
+        # stevedore loads every entry point with a given name, so a name that a
+        # blocked entry point shares is imported directly below instead: a
+        # blocked plugin is never imported.
+        shared = {i.name for i in reg.entry_points if i.status != OK}
+        names = sorted({i.name for i in wanted} - shared)
+        if names:
             manager = NamedExtensionManager(
                 group,
-                names=sorted({i.name for i in wanted}),
+                names=names,
                 on_load_failure_callback=on_failure,
                 on_missing_entrypoints_callback=lambda names: None,
             )
@@ -325,7 +330,9 @@ class PluginRegistry:
                     f"{category} {name!r}: plugin {info.name} ({info.distribution} {info.version}) "
                     f"{'failed to load' if info.status == FAILED else 'is blocked'}: {info.error}"
                 )
-        return f"no {category} named {name!r}. " + self.describe_candidates(category)
+        described = self.describe_candidates(category)  # evaluates each candidate
+        usable = sorted(e.name for e in self.entries[category] if e.status == OK)
+        return f"no {category} named {name!r} (usable here: {', '.join(usable) or 'none'}). " + described
 
     def describe_candidates(self, category: str, ctx: SelectionContext | None = None) -> str:
         """Every candidate of a category with its status and reasons."""
