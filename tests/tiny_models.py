@@ -1,0 +1,130 @@
+"""Tiny random-weight Hugging Face models for tests, built with transformers
+(the reference implementation) and saved as safetensors with a small
+byte-level BPE tokenizer, so that plinth loads them like any model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+
+VOCAB = 300  # 256 byte tokens, specials, a few merges
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tokenizer(path: str) -> None:
+    """A byte-level BPE over all 256 bytes plus specials: any text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    assert tok.get_vocab_size() <= VOCAB
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "chat_template": CHAT_TEMPLATE,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            f,
+        )
+
+
+def tiny_config(arch: str):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=263,  # <|im_end|>
+        bos_token_id=None,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, rope_theta=10000.0)
+    if arch == "llama3-rope":  # llama 3 rope scaling, tied embeddings, head_dim 40 (not a power of two)
+        cfg = dict(common, hidden_size=160, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
+        return transformers.LlamaConfig(
+            **cfg,
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 128,
+            },
+        )
+    if arch == "qwen2":  # q/k/v biases
+        return transformers.Qwen2Config(**common)
+    if arch == "qwen3":  # per-head q/k norms; head_dim 48 set explicitly (not hidden / heads)
+        return transformers.Qwen3Config(**common, head_dim=48)
+    if arch == "mistral":  # sliding window smaller than the prompts
+        return transformers.MistralConfig(**common, sliding_window=24)
+    raise ValueError(arch)
+
+
+@lru_cache(maxsize=None)
+def tiny_model_dir(arch: str, root: str) -> str:
+    """Build (once per process) and save the tiny model of ``arch`` under root."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(root, arch)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(hash(arch) % 1000)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init: logits far from flat
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return path
+
+
+@lru_cache(maxsize=None)
+def reference_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def reference_greedy(path: str, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    model = reference_model(path)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def reference_logprobs(path: str, tokens: list[int]):
+    """log_softmax of the reference logits at every position of ``tokens``."""
+    import torch
+
+    model = reference_model(path)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits, -1)
