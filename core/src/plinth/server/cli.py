@@ -3,19 +3,131 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import socket
+from pathlib import Path
 from typing import Any
 
+from plinth.errors import ConfigError, PlinthError
 from plinth.plugins import PluginRegistry
+
+log = logging.getLogger("plinth.server")
+
+#: the server's own options: kept out of the engine's plugin_options
+SERVER_OPTIONS = (
+    "host", "port", "api_key", "served_model_name", "enable_metrics", "max_request_body_size",
+    "max_waiting_requests", "uvicorn_log_level",
+)  # fmt: skip
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require this bearer key (also $PLINTH_API_KEY)")
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
-    g.add_argument("--enable-metrics", action=argparse.BooleanOptionalAction, default=True, help="serve /metrics")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    g.add_argument("--api-key", default=None, help="require this key: Bearer token, or x-api-key on /v1/messages (also $PLINTH_API_KEY)")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model name(s) clients send; the first is reported (default: the model path, or the default model's name)",
+    )
+    g.add_argument("--enable-metrics", action=argparse.BooleanOptionalAction, default=True, help="serve Prometheus /metrics")
+    g.add_argument(
+        "--max-request-body-size", type=int, default=16 << 20, metavar="BYTES", help="larger request bodies get 413 (default: 16 MiB)"
+    )
+    g.add_argument(
+        "--max-waiting-requests", type=int, default=4096, metavar="N", help="requests allowed to wait; beyond, 503 + Retry-After"
+    )
+    g.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)")
+
+
+def default_model_name(model: str | None) -> str:
+    """What /v1/models reports when --served-model-name is not given: the
+    model argument as given (as vLLM does), or the bundled default model's name."""
+    if model:
+        return model
+    from plinth.engine.model_source import DEFAULT_MODEL_FILE
+
+    stem = Path(DEFAULT_MODEL_FILE).stem  # SmolLM2-135M-Instruct.Q4_1
+    return stem.split(".")[0]
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port fails at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot resolve --host {host!r}: {exc}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs: dict[str, Any]) -> int:
-    raise NotImplementedError("the server lands with issue 4")
+    import uvicorn
+
+    from plinth.engine.async_engine import AsyncLLM
+    from plinth.engine.config import EngineConfig
+    from plinth.server.app import API_KEY_ENV, build_app
+    from plinth.server.serving import ServerSettings
+
+    if args.max_request_body_size < 1:
+        raise ConfigError("--max-request-body-size must be >= 1")
+    if args.max_waiting_requests < 1:
+        raise ConfigError("--max-waiting-requests must be >= 1")
+    kwargs = dict(engine_kwargs)
+    kwargs["plugin_options"] = {k: v for k, v in (kwargs.get("plugin_options") or {}).items() if k not in SERVER_OPTIONS}
+    kwargs["max_waiting_requests"] = args.max_waiting_requests
+    try:
+        config = EngineConfig(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"invalid engine options: {exc}") from None
+
+    sock = _listen(args.host, args.port)
+    try:
+        engine = AsyncLLM.from_config(config, registry)
+    except PlinthError:
+        sock.close()
+        raise
+    except Exception:
+        sock.close()
+        raise
+    try:
+        names = list(args.served_model_name or [default_model_name(config.model)])
+        settings = ServerSettings(
+            served_model_names=names,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            max_request_body_bytes=args.max_request_body_size,
+            enable_metrics=args.enable_metrics,
+        )
+        app = build_app(engine, settings)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        port = sock.getsockname()[1]
+        url = f"http://{host}:{port}"
+        log.info(
+            "serving %s at %s (OpenAI: %s/v1, Anthropic: %s/v1/messages%s)%s",
+            names[0], url, url, url, f", metrics: {url}/metrics" if args.enable_metrics else "",
+            "; API key required" if settings.api_key else "",
+        )
+        uconfig = uvicorn.Config(
+            app,
+            log_level=str(args.uvicorn_log_level).lower(),
+            timeout_graceful_shutdown=5,
+            access_log=str(args.uvicorn_log_level).lower() in ("debug", "trace", "info"),
+        )
+        server = uvicorn.Server(uconfig)
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
+    return 0

@@ -1,0 +1,176 @@
+"""Prometheus metrics at ``/metrics``, in a registry of the app's own.
+
+Names follow vLLM's with the ``plinth:`` prefix. Request latencies are
+measured by the server as the client would see them: from the moment the
+request reached its route (after parsing) to the first output token (TTFT),
+between successive tokens (ITL), per output token after the first (TPOT)
+and to the end of the request (end-to-end). Gauges of the engine (running
+and waiting requests, KV page usage, prefix-cache hit rate) are read from
+``engine.stats()`` at each scrape.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+_TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class _EngineCollector(Collector):
+    """Engine gauges and counters, read at scrape time."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[Any]:
+        try:
+            s = self.engine.stats()
+        except Exception:  # an engine that is shutting down still lets /metrics answer
+            return
+        labels = ["model_name"]
+        value = [self.model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, float(v))
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, float(v))
+            return c
+
+        yield gauge("plinth:num_requests_running", "Requests running in the engine.", s.get("running", 0))
+        yield gauge("plinth:num_requests_waiting", "Requests waiting to be scheduled.", s.get("waiting", 0))
+        yield gauge("plinth:kv_cache_usage_perc", "Fraction of KV-cache pages in use (0-1).", s.get("kv_usage", 0.0))
+        yield gauge("plinth:kv_cache_num_pages", "KV-cache pages in the pool.", s.get("num_pages", 0))
+        yield gauge("plinth:kv_cache_free_pages", "KV-cache pages free to allocate (cached ones included).", s.get("free_pages", 0))
+        yield gauge("plinth:prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens, since start.", s.get("prefix_cache_hit_rate", 0.0))
+        yield counter("plinth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.get("prefix_cache_queries", 0))
+        yield counter("plinth:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.get("prefix_cache_hits", 0))
+        yield counter("plinth:num_preemptions", "Sequences preempted for lack of KV pages.", s.get("preemptions", 0))
+        yield counter("plinth:engine_steps", "Engine steps run.", s.get("steps", 0))
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ml = ["model_name"]
+        self.http_requests = Counter(
+            "plinth:http_requests", "HTTP requests by route and status code.", ["method", "route", "status"], registry=r
+        )
+        self.request_success = Counter(
+            "plinth:request_success", "Finished generation requests by finish reason.", ml + ["finished_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("plinth:prompt_tokens", "Prompt tokens processed.", ml, registry=r)
+        self.generation_tokens = Counter("plinth:generation_tokens", "Tokens generated.", ml, registry=r)
+        self.ttft = Histogram(
+            "plinth:time_to_first_token_seconds", "Time to the first output token.", ml, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "plinth:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            ml,
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "plinth:inter_token_latency_seconds", "Time between successive output tokens.", ml, buckets=_TOKEN_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "plinth:e2e_request_latency_seconds", "End-to-end request latency.", ml, buckets=_E2E_BUCKETS, registry=r
+        )
+        self.req_prompt_tokens = Histogram(
+            "plinth:request_prompt_tokens", "Prompt tokens per request.", ml, buckets=_TOKEN_COUNT_BUCKETS, registry=r
+        )
+        self.req_generation_tokens = Histogram(
+            "plinth:request_generation_tokens", "Generated tokens per request.", ml, buckets=_TOKEN_COUNT_BUCKETS, registry=r
+        )
+        r.register(_EngineCollector(engine, model_name))
+        # bound children: no label lookups per token
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._ttft = self.ttft.labels(model_name)
+        self._tpot = self.tpot.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
+        self._req_prompt = self.req_prompt_tokens.labels(model_name)
+        self._req_gen = self.req_generation_tokens.labels(model_name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Latencies and token counts of one generation request (one engine request)."""
+
+    __slots__ = ("m", "start", "first", "last", "seen", "prompt_tokens", "done")
+
+    def __init__(self, m: ServerMetrics | None, start: float | None = None) -> None:
+        self.m = m
+        self.start = start if start is not None else time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.seen: dict[int, int] = {}
+        self.prompt_tokens = 0
+        self.done = False
+
+    def observe(self, out: Any) -> None:
+        if self.m is None:
+            return
+        now = time.monotonic()
+        if not self.prompt_tokens:
+            self.prompt_tokens = len(out.prompt_token_ids)
+            self.m._prompt_tokens.inc(self.prompt_tokens)
+        total = 0
+        most = 0
+        for c in out.outputs:
+            n = len(c.token_ids) - self.seen.get(c.index, 0)
+            if n > 0:
+                self.seen[c.index] = len(c.token_ids)
+                total += n
+                most = max(most, n)
+        if not total:
+            return
+        self.m._generation_tokens.inc(total)
+        if self.first is None:
+            self.first = now
+            self.m._ttft.observe(now - self.start)
+            most -= 1
+        if most > 0 and self.last is not None:
+            gap = (now - self.last) / most
+            for _ in range(most):
+                self.m._itl.observe(gap)
+        self.last = now
+
+    def finish(self, reason: str | None) -> None:
+        """Once per request: ``reason`` is the first choice's finish reason,
+        ``abort`` for a client that left, or None after an error."""
+        if self.m is None or self.done:
+            return
+        self.done = True
+        now = time.monotonic()
+        self.m._e2e.observe(now - self.start)
+        gen = max(self.seen.values(), default=0)
+        self.m._req_gen.observe(sum(self.seen.values()))
+        if self.prompt_tokens:
+            self.m._req_prompt.observe(self.prompt_tokens)
+        if self.first is not None and gen > 1:
+            self.m._tpot.observe((now - self.first) / (gen - 1))
+        self.m.request_success.labels(self.m.model_name, reason or "error").inc()

@@ -1,0 +1,507 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from plinth.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from plinth.server.errors import APIError, engine_exception
+from plinth.server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+from plinth.server.serving import (
+    ChoiceCursor,
+    ClientDisconnected,
+    Generation,
+    ServingContext,
+    SSEResponse,
+    clamp_logprob,
+    merged,
+    now_s,
+    random_id,
+    sse,
+    until_disconnect,
+)
+
+MAX_TOP_LOGPROBS = 20
+
+
+def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template expects them (plain text content;
+    ``developer`` is the newer name of ``system``)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            parts = []
+            for j, part in enumerate(content):
+                if part.type not in ("text", "input_text") or part.text is None:
+                    raise APIError.bad_request(
+                        f"content parts of type {part.type!r} are not supported (text only)",
+                        param=f"{param}.{i}.content.{j}.type",
+                    )
+                parts.append(part.text)
+            text = "\n".join(parts)
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": text}
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+class OpenAIServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    # ---- logprobs --------------------------------------------------------------------
+
+    def chat_logprobs(self, lps: list[TokenLogprobs], k: int) -> ChatLogprobs:
+        tok = self.ctx.token_str
+        content = []
+        for lp in lps:
+            s = tok(lp.token_id)
+            content.append(
+                ChatLogprobToken(
+                    token=s,
+                    logprob=clamp_logprob(lp.logprob),
+                    bytes=list(s.encode("utf-8")),
+                    top_logprobs=[
+                        TopLogprob(token=tok(t.token_id), logprob=clamp_logprob(t.logprob), bytes=list(tok(t.token_id).encode("utf-8")))
+                        for t in lp.top[:k]
+                    ],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def completion_logprobs(
+        self, token_ids: list[int], lps: list[TokenLogprobs | None], k: int, offset: int
+    ) -> CompletionLogprobs:
+        tok = self.ctx.token_str
+        out = CompletionLogprobs()
+        for tid, lp in zip(token_ids, lps):
+            s = tok(tid)
+            out.tokens.append(s)
+            out.text_offset.append(offset)
+            offset += len(s)
+            if lp is None:  # the first prompt token: nothing precedes it
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(clamp_logprob(lp.logprob))
+            top = {tok(t.token_id): clamp_logprob(t.logprob) for t in lp.top[:k]}
+            top.setdefault(s, clamp_logprob(lp.logprob))
+            out.top_logprobs.append(top)
+        return out
+
+    # ---- /v1/models -------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        root = None
+        comps = getattr(self.ctx.engine.engine, "components", None) if hasattr(self.ctx.engine, "engine") else None
+        if comps is not None:
+            root = comps.source.path
+        return ModelList(
+            data=[ModelCard(id=name, root=root, max_model_len=self.ctx.engine.max_model_len) for name in self.ctx.settings.served_model_names]
+        )
+
+    # ---- /v1/completions ---------------------------------------------------------------
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [(p, self.ctx.encode(p))]
+        if not p:
+            raise APIError.bad_request("prompt must not be empty", param="prompt")
+        if isinstance(p[0], str):
+            return [(s, self.ctx.encode(s)) for s in p]
+        if isinstance(p[0], int):
+            return [(None, self.ctx.check_prompt_ids(p))]
+        prompts = []
+        for i, ids in enumerate(p):
+            if not ids:
+                raise APIError.bad_request(f"prompt {i} is empty", param="prompt")
+            prompts.append((None, self.ctx.check_prompt_ids(ids)))
+        return prompts
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        ctx = self.ctx
+        model = ctx.check_model(req.model)
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError.bad_request("best_of is not supported (it must equal n when given)", param="best_of")
+        if req.suffix:
+            raise APIError.bad_request("suffix is not supported", param="suffix")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError.bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", param="logprobs")
+        prompts = self._completion_prompts(req)
+        for i, (text, ids) in enumerate(prompts):
+            if text is not None and not ids:
+                raise APIError.bad_request(f"prompt {i} is empty", param="prompt")
+        grammar = await ctx.grammar(req.response_format, req.guided_json, req.guided_regex)
+        stops = _stop_list(req.stop)
+        max_tokens = req.max_tokens if req.max_tokens is not None else ctx.default_max_tokens(max(len(i) for _, i in prompts))
+        base = dict(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            stop=stops,
+            stop_token_ids=req.stop_token_ids,
+            n=req.n,
+            ignore_eos=req.ignore_eos,
+            logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+        rid = random_id("cmpl-")
+        gens: list[Generation] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                params = ctx.sampling_params(**base)
+                if grammar is not None:
+                    params.grammar = grammar if i == 0 else grammar.fork()
+                gens.append(await ctx.start(ids, params, f"{rid}-{i}", text))
+        except BaseException:
+            for g in gens:
+                g.close_nowait()
+            raise
+        created = now_s()
+        if req.stream:
+            return SSEResponse(self._completion_stream(req, rid, created, model, prompts, gens, stops), generations=gens)
+        try:
+            finals = await until_disconnect(raw, self._collect(gens))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(self._completion_response(req, rid, created, model, prompts, finals).model_dump())
+
+    async def _collect(self, gens: list[Generation]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(gens)
+        async for i, out in merged(gens):
+            finals[i] = out
+        return [f for f in finals if f is not None]
+
+    def _echo_prefix(self, req: CompletionRequest, prompt_text: str | None, ids: list[int]) -> str:
+        return prompt_text if prompt_text is not None else self.ctx.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _completion_response(
+        self,
+        req: CompletionRequest,
+        rid: str,
+        created: int,
+        model: str,
+        prompts: list[tuple[str | None, list[int]]],
+        finals: list[RequestOutput],
+    ) -> CompletionResponse:
+        choices = []
+        prompt_tokens = completion_tokens = cached = 0
+        for p_idx, (out, (ptext, pids)) in enumerate(zip(finals, prompts)):
+            prompt_tokens += len(out.prompt_token_ids)
+            cached += out.num_cached_tokens
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                text = c.text
+                logprobs = None
+                if req.echo:
+                    prefix = self._echo_prefix(req, ptext, pids)
+                    text = prefix + text
+                if req.logprobs is not None:
+                    ids: list[int] = []
+                    lps: list[TokenLogprobs | None] = []
+                    if req.echo:
+                        ids += list(out.prompt_token_ids)
+                        plp = list(out.prompt_logprobs or [])
+                        lps += plp + [None] * (len(ids) - len(plp))
+                    ids += list(c.token_ids)
+                    lps += list(c.logprobs or [])
+                    logprobs = self.completion_logprobs(ids, lps, req.logprobs, 0)
+                choices.append(
+                    CompletionChoice(
+                        index=p_idx * req.n + c.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(
+            id=rid, created=created, model=model, choices=choices, usage=usage_of(prompt_tokens, completion_tokens, cached)
+        )
+
+    async def _completion_stream(
+        self,
+        req: CompletionRequest,
+        rid: str,
+        created: int,
+        model: str,
+        prompts: list[tuple[str | None, list[int]]],
+        gens: list[Generation],
+        stops: list[str],
+    ) -> AsyncIterator[str]:
+        n = req.n
+        cursors: dict[int, ChoiceCursor] = {}
+        offsets: dict[int, int] = {}
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens: dict[int, int] = {}
+        cached: dict[int, int] = {}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[CompletionChoice]) -> str:
+            return sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=choices).model_dump_json())
+
+        stream = merged(gens)
+        try:
+            async for p_idx, out in stream:
+                prompt_tokens[p_idx] = len(out.prompt_token_ids)
+                cached[p_idx] = out.num_cached_tokens
+                for c in out.outputs:
+                    index = p_idx * n + c.index
+                    cur = cursors.get(index)
+                    choices: list[CompletionChoice] = []
+                    if cur is None:
+                        cur = cursors[index] = ChoiceCursor()
+                        offsets[index] = 0
+                        if req.echo:
+                            ptext, pids = prompts[p_idx]
+                            prefix = self._echo_prefix(req, ptext, pids)
+                            lp = None
+                            if req.logprobs is not None:
+                                plp = list(out.prompt_logprobs or [])
+                                ids = list(out.prompt_token_ids)
+                                lp = self.completion_logprobs(ids, plp + [None] * (len(ids) - len(plp)), req.logprobs, 0)
+                            offsets[index] = len(prefix)
+                            choices.append(CompletionChoice(index=index, text=prefix, logprobs=lp))
+                    if cur.finished:
+                        continue
+                    completion_tokens[index] = len(c.token_ids)
+                    delta, t0, t1 = cur.advance(c.text, len(c.token_ids), c.finished, stops)
+                    lp = None
+                    if req.logprobs is not None and t1 > t0:
+                        lp = self.completion_logprobs(list(c.token_ids[t0:t1]), list((c.logprobs or [])[t0:t1]), req.logprobs, offsets[index])
+                        offsets[index] += sum(len(s) for s in lp.tokens)
+                    if c.finished:
+                        cur.finished = True
+                    if delta or lp is not None or c.finished:
+                        choices.append(
+                            CompletionChoice(
+                                index=index,
+                                text=delta,
+                                logprobs=lp,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason if c.finished else None,
+                            )
+                        )
+                    if choices:
+                        yield chunk(choices)
+            if include_usage:
+                usage = usage_of(sum(prompt_tokens.values()), sum(completion_tokens.values()), sum(cached.values()))
+                yield sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[], usage=usage).model_dump_json())
+        except Exception as exc:
+            err = engine_exception(exc)
+            yield sse(json.dumps(err.openai_body()))
+        finally:
+            await stream.aclose()
+        yield sse("[DONE]")
+
+    # ---- /v1/chat/completions -------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        ctx = self.ctx
+        model = ctx.check_model(req.model)
+        if req.top_logprobs is not None:
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError.bad_request(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs"
+                )
+            if not req.logprobs and req.top_logprobs > 0:
+                raise APIError.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
+        messages = chat_messages(req.messages)
+        prompt_text, ids = ctx.chat_prompt(
+            messages, add_generation_prompt=req.add_generation_prompt, template_kwargs=req.chat_template_kwargs
+        )
+        if not ids:
+            raise APIError.bad_request("the chat template made an empty prompt", param="messages")
+        grammar = await ctx.grammar(req.response_format, req.guided_json, req.guided_regex)
+        stops = _stop_list(req.stop)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = ctx.default_max_tokens(len(ids))
+        params = ctx.sampling_params(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            stop=stops,
+            stop_token_ids=req.stop_token_ids,
+            n=req.n,
+            ignore_eos=req.ignore_eos,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+        params.grammar = grammar
+        rid = random_id("chatcmpl-")
+        gen = await ctx.start(ids, params, rid, prompt_text)
+        created = now_s()
+        if req.stream:
+            return SSEResponse(self._chat_stream(req, rid, created, model, gen, stops), generations=[gen])
+        try:
+            (final,) = await until_disconnect(raw, self._collect([gen]))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        k = req.top_logprobs or 0
+        choices = [
+            ChatCompletionChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self.chat_logprobs(c.logprobs or [], k) if req.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.outputs
+        ]
+        resp = ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage_of(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens),
+        )
+        return JSONResponse(resp.model_dump())
+
+    async def _chat_stream(
+        self, req: ChatCompletionRequest, rid: str, created: int, model: str, gen: Generation, stops: list[str]
+    ) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        k = req.top_logprobs or 0
+
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: Usage | None = None) -> str:
+            return sse(
+                ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump_json()
+            )
+
+        cursors = [ChoiceCursor() for _ in range(req.n)]
+        final: RequestOutput | None = None
+        stream = gen.outputs()
+        try:
+            # the role first, for every choice, as OpenAI does
+            yield chunk(
+                [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)]
+            )
+            async for out in stream:
+                final = out
+                for c in out.outputs:
+                    cur = cursors[c.index]
+                    if cur.finished:
+                        continue
+                    piece = self._chat_delta(req, c, cur, stops, k)
+                    if piece is not None:
+                        yield chunk([piece])
+            if include_usage and final is not None:
+                usage = usage_of(
+                    len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens
+                )
+                yield chunk([], usage)
+        except Exception as exc:
+            err = engine_exception(exc)
+            yield sse(json.dumps(err.openai_body()))
+        finally:
+            await stream.aclose()
+        yield sse("[DONE]")
+
+    def _chat_delta(
+        self, req: ChatCompletionRequest, c: CompletionOutput, cur: ChoiceCursor, stops: list[str], k: int
+    ) -> ChatCompletionStreamChoice | None:
+        delta, t0, t1 = cur.advance(c.text, len(c.token_ids), c.finished, stops)
+        logprobs = None
+        if req.logprobs and t1 > t0:
+            logprobs = self.chat_logprobs(list((c.logprobs or [])[t0:t1]), k)
+        if c.finished:
+            cur.finished = True
+        if not delta and logprobs is None and not c.finished:
+            return None
+        return ChatCompletionStreamChoice(
+            index=c.index,
+            delta=DeltaMessage(content=delta) if delta or not c.finished else DeltaMessage(),
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason if c.finished else None,
+        )
+
+
+def router(serving: OpenAIServing) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return serving.models()
+
+    @r.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def get_model(model_id: str) -> ModelCard:
+        serving.ctx.check_model(model_id)
+        return next(m for m in serving.models().data if m.id == model_id)
+
+    @r.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(req, raw)
+
+    @r.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(req, raw)
+
+    return r

@@ -1,0 +1,398 @@
+"""Pydantic models of every request and response the server speaks.
+
+OpenAI's names and shapes (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``), Anthropic's (``/v1/messages``), and vLLM's for the extras
+(``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``/tokenize``).
+Unknown request fields are ignored, as OpenAI's and vLLM's servers do, so
+newer clients keep working; a known field of the wrong type is a 400.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+MAX_N = 128
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+
+# --------------------------------------------------------------------------
+# shared pieces
+# --------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class SamplingFields(_Request):
+    """Sampling options shared by completions and chat (vLLM's extras included)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    #: vLLM's guided decoding extras
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------
+# /v1/models
+# --------------------------------------------------------------------------
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "plinth"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --------------------------------------------------------------------------
+# /v1/completions
+# --------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE chunk of a streamed completion (OpenAI uses the same object name)."""
+
+
+# --------------------------------------------------------------------------
+# /v1/chat/completions
+# --------------------------------------------------------------------------
+
+
+class ContentPart(_Request):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    #: vLLM's chat-template extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class DeltaMessage(_Response):
+    """A chunk's delta: fields left unset are left out of the JSON."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatCompletionStreamChoice]
+    usage: Usage | None = None
+
+
+# --------------------------------------------------------------------------
+# /v1/messages (Anthropic)
+# --------------------------------------------------------------------------
+
+
+class AnthropicContentBlock(_Request):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+    content: str | list[dict[str, Any]] | None = None  # tool_result
+
+
+class AnthropicMessage(_Request):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[AnthropicContentBlock]
+
+
+class AnthropicTextBlock(_Request):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class MessagesRequest(_Request):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int
+    system: str | list[AnthropicTextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_Request):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[AnthropicTextBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CountTokensResponse(_Response):
+    input_tokens: int
+
+
+class AnthropicUsage(_Response):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_creation_input_tokens: int | None = 0
+    cache_read_input_tokens: int | None = 0
+
+
+class MessagesResponse(_Response):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[AnthropicTextBlock]
+    model: str
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None = None
+    stop_sequence: str | None = None
+    usage: AnthropicUsage
+
+
+class MessageStartEvent(_Response):
+    type: Literal["message_start"] = "message_start"
+    message: MessagesResponse
+
+
+class ContentBlockStartEvent(_Response):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int = 0
+    content_block: AnthropicTextBlock
+
+
+class PingEvent(_Response):
+    type: Literal["ping"] = "ping"
+
+
+class TextDelta(_Response):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class ContentBlockDeltaEvent(_Response):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int = 0
+    delta: TextDelta
+
+
+class ContentBlockStopEvent(_Response):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int = 0
+
+
+class MessageDelta(_Response):
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None = None
+    stop_sequence: str | None = None
+
+
+class MessageDeltaUsage(_Response):
+    output_tokens: int
+
+
+class MessageDeltaEvent(_Response):
+    type: Literal["message_delta"] = "message_delta"
+    delta: MessageDelta
+    usage: MessageDeltaUsage
+
+
+class MessageStopEvent(_Response):
+    type: Literal["message_stop"] = "message_stop"
+
+
+# --------------------------------------------------------------------------
+# /tokenize, /detokenize, /version, /health
+# --------------------------------------------------------------------------
+
+
+class TokenizeRequest(_Request):
+    """Either ``prompt`` (a string) or ``messages`` (through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
+    plugin_api: str | None = None
+    models: list[str]
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+
+class HealthResponse(_Response):
+    status: str

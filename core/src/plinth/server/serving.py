@@ -1,0 +1,393 @@
+"""What the OpenAI and Anthropic routes share: the served model, prompts,
+sampling parameters, structured output, and running a request on the engine
+with its errors answered before the first byte and its pages freed when the
+client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from plinth.engine.outputs import RequestOutput
+from plinth.engine.sampling_params import SamplingParams
+from plinth.errors import RequestError
+from plinth.server.errors import APIError, engine_exception
+from plinth.server.metrics import RequestTracker, ServerMetrics
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerSettings:
+    """Server options (``platform serve`` flags)."""
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_request_body_bytes: int = 16 << 20
+    enable_metrics: bool = True
+    retry_after_s: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# ---------------------------------------------------------------------------
+# the context of one app
+# ---------------------------------------------------------------------------
+
+
+class ServingContext:
+    """The engine and everything derived from it, shared by the routes of one app."""
+
+    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.model_name = settings.served_model_names[0]
+        self.metrics = ServerMetrics(engine, self.model_name) if settings.enable_metrics else None
+        self._grammars: Any = None
+        self._token_strs: dict[int, str] = {}
+
+    # ---- model names ---------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        """The name to report back; 404 for a model this server does not serve."""
+        if name is None or name == "":
+            return self.model_name
+        if name not in self.settings.served_model_names:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self.settings.served_model_names))}",
+                param="model",
+                code="model_not_found",
+            )
+        return name
+
+    # ---- prompts -------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError:
+            return list(self.tokenizer.encode(text))
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The chat template applied to ``messages``: (text, token ids)."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+            )
+        except TypeError as exc:
+            if template_kwargs:
+                raise APIError.bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
+            raise
+        except (ValueError, KeyError) as exc:
+            raise APIError.bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+        except Exception as exc:  # jinja2 errors (raise_exception in a template) and the like
+            if type(exc).__module__.startswith("jinja2"):
+                raise APIError.bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+            raise
+        if not isinstance(text, str):  # a tokenizer that returns ids
+            ids = list(text)
+            return self.tokenizer.decode(ids, skip_special_tokens=False), ids
+        return text, self.encode(text, add_special_tokens=False)
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_strs[token_id] = s
+        return s
+
+    def check_prompt_ids(self, ids: Sequence[Any], param: str = "prompt") -> list[int]:
+        vocab = self.engine.model_config.vocab_size
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise APIError.bad_request(f"token id {t!r} is outside the vocabulary [0, {vocab})", param=param)
+            out.append(t)
+        return out
+
+    # ---- sampling ------------------------------------------------------------------
+
+    def sampling_params(self, **kwargs: Any) -> SamplingParams:
+        clean = {k: v for k, v in kwargs.items() if v is not None}
+        try:
+            return SamplingParams(**clean)
+        except RequestError as exc:
+            raise APIError.from_request_error(exc) from None
+        except TypeError as exc:
+            raise APIError.bad_request(f"invalid sampling parameters: {exc}") from None
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        return max(1, self.engine.max_model_len - prompt_len)
+
+    # ---- structured output -----------------------------------------------------------
+
+    @property
+    def grammars(self) -> Any:
+        if self._grammars is None:
+            from plinth.server.structured import GrammarCompiler
+
+            eos = set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+            eos.update(getattr(self.engine.model_config, "eos_token_ids", ()) or ())
+            self._grammars = GrammarCompiler(self.tokenizer, self.engine.model_config.vocab_size, sorted(eos))
+        return self._grammars
+
+    async def grammar(self, response_format: Any = None, guided_json: Any = None, guided_regex: Any = None) -> Any:
+        """A fresh grammar state for the request's structured-output fields, or None."""
+        from plinth.server.structured import normalize
+
+        try:
+            spec = normalize(response_format, guided_json, guided_regex)
+            if spec is None:
+                return None
+            compiler = self.grammars
+            # compiling can take a while: off the event loop (cache hits are quick either way)
+            return await asyncio.to_thread(compiler.state, *spec)
+        except RequestError as exc:
+            raise APIError.from_request_error(exc) from None
+
+    # ---- running ---------------------------------------------------------------------
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self.metrics)
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None) -> "Generation":
+        """Submit a request; bad input and a full queue raise APIError here,
+        before any response byte is sent."""
+        gen = self.engine.generate(prompt_ids, params, request_id=request_id, prompt=prompt)
+        first = asyncio.ensure_future(gen.__anext__())
+        # one turn of the loop runs generate() up to its first wait: it has
+        # validated the request and checked the queue by then
+        await asyncio.sleep(0)
+        if first.done() and not first.cancelled() and first.exception() is not None:
+            exc = first.exception()
+            await gen.aclose()
+            err = engine_exception(exc)
+            if err.status == 503:
+                err.headers.setdefault("Retry-After", str(self.settings.retry_after_s))
+            raise err
+        return Generation(gen, first, self.tracker())
+
+
+class Generation:
+    """A started engine request: iterate its cumulative outputs once."""
+
+    def __init__(self, gen: Any, first: asyncio.Future, tracker: RequestTracker) -> None:
+        self.gen = gen
+        self.first = first
+        self.tracker = tracker
+        self.last: RequestOutput | None = None
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        reason: str | None = "abort"
+        try:
+            try:
+                out = await self.first
+            except StopAsyncIteration:
+                return
+            while True:
+                self.last = out
+                self.tracker.observe(out)
+                if out.finished:
+                    reason = out.outputs[0].finish_reason if out.outputs else "abort"
+                yield out
+                if out.finished:
+                    return
+                try:
+                    out = await self.gen.__anext__()
+                except StopAsyncIteration:
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            if self.last is None or not self.last.finished:
+                reason = "abort"
+            raise
+        except BaseException:
+            reason = None
+            raise
+        finally:
+            self.tracker.finish(reason)
+            if not self.first.done():
+                self.first.cancel()  # its task closes the engine's generator: the request is aborted
+            else:
+                await self.gen.aclose()  # aborts the request if it had not finished
+
+    def close_nowait(self) -> None:
+        """Abort the request if it is still running (for one never iterated,
+        or a stream whose body never started)."""
+        if not self.first.done():
+            self.first.cancel()
+        else:
+            asyncio.ensure_future(_quiet_aclose(self.gen))
+
+
+async def _quiet_aclose(agen: Any) -> None:
+    with contextlib.suppress(Exception):
+        await agen.aclose()
+
+
+async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come: (request index, output)."""
+    if len(gens) == 1:
+        agen = gens[0].outputs()
+        try:
+            async for out in agen:
+                yield 0, out
+        finally:
+            await agen.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, g: Generation) -> None:
+        try:
+            async for out in g.outputs():
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client leaves first, in which case cancel it
+    (which aborts its engine requests) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientDisconnected()
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream whose body iterator is always closed, also
+    when the client disconnects mid-stream (so the engine request is aborted
+    and its pages freed at once, not when the iterator is garbage collected)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], *, generations: Sequence["Generation"] = (), **kwargs: Any) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(kwargs.pop("headers", None) or {})}
+        super().__init__(content, headers=headers, **kwargs)
+        self.generations = list(generations)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                for g in self.generations:  # a body that never started never closed them
+                    g.close_nowait()
+
+
+# ---------------------------------------------------------------------------
+# streaming text deltas
+# ---------------------------------------------------------------------------
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of ``text`` might be the start of a stop
+    string, and so must not be streamed yet (the engine cuts a stop string
+    off the text once it is complete)."""
+    keep = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), keep, -1):
+            if text.endswith(stop[:k]):
+                keep = k
+                break
+    return keep
+
+
+class ChoiceCursor:
+    """What has been streamed of one choice: text and tokens."""
+
+    __slots__ = ("text_len", "tokens", "finished")
+
+    def __init__(self) -> None:
+        self.text_len = 0
+        self.tokens = 0
+        self.finished = False
+
+    def advance(self, text: str, num_tokens: int, finished: bool, stops: Sequence[str]) -> tuple[str, int, int]:
+        """(new text, first new token index, end token index) since the last call."""
+        visible = len(text) if finished or not stops else len(text) - held_back(text, stops)
+        visible = max(visible, self.text_len)
+        delta = text[self.text_len : visible]
+        self.text_len = visible
+        start = self.tokens
+        self.tokens = num_tokens
+        return delta, start, num_tokens
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def sse_event(event: str, data: str) -> str:
+    return f"event: {event}\ndata: {data}\n\n"
+
+
+def clamp_logprob(v: float) -> float:
+    return v if v > -9999.0 else -9999.0
