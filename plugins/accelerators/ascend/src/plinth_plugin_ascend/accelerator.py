@@ -17,11 +17,13 @@ from typing import Any, Mapping
 
 from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
 
-DEVICE_GLOB = "/dev/davinci[0-9]*"
+DEV = "/dev"
 
 
 def _device_nodes() -> list[str]:
-    return sorted(p for p in glob.glob(DEVICE_GLOB) if re.fullmatch(r"/dev/davinci\d+", p))
+    """The NPU device nodes (davinci0, davinci1, ...; not davinci_manager)."""
+    found = glob.glob(os.path.join(DEV, "davinci[0-9]*"))
+    return sorted(p for p in found if re.fullmatch(r"davinci\d+", os.path.basename(p)))
 
 
 def _torch_npu() -> Any:

@@ -17,9 +17,13 @@ from typing import Any, Mapping
 from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
 
 
+DEV = "/dev"
+
+
 def _device_nodes() -> list[str]:
-    nodes = glob.glob("/dev/accel[0-9]*") + glob.glob("/dev/vfio/[0-9]*")
-    return sorted(p for p in nodes if re.fullmatch(r"/dev/(accel\d+|vfio/\d+)", p))
+    """TPU chips: accel0, accel1, ... (v2-v4) or vfio/0, vfio/1, ... (v5e and later)."""
+    nodes = glob.glob(os.path.join(DEV, "accel[0-9]*")) + glob.glob(os.path.join(DEV, "vfio", "[0-9]*"))
+    return sorted(p for p in nodes if re.fullmatch(r"(accel\d+|vfio/\d+)", os.path.relpath(p, DEV)))
 
 
 def _xla() -> tuple[Any, Any, Any]:
