@@ -58,7 +58,8 @@ def check_accelerator(
     agrees with the class, counts at least one device, lists its dtypes (torch
     names) with the default among them and a known FP8 mode;
     ``init_process(local_rank=0, options={})`` runs; ``memory(0)`` is
-    ``(free, total)`` with ``0 < free <= total``; ``device(0)`` has the
+    ``(free, total)`` with ``0 < free <= total`` and ``kv_cache_budget``
+    gives a positive byte count within ``free``; ``device(0)`` has the
     declared type; a tensor of each dtype round-trips to it and back, and a
     small computation on it is right; ``supported_dtypes()`` and
     ``default_dtype()`` agree with ``info()``; the distributed backend is
@@ -152,8 +153,14 @@ def _check_device(report: AcceleratorReport, cls: type[Accelerator]) -> None:
             "memory(0) is (free, total) bytes with 0 < free <= total",
             f"({free!r}, {total!r})",
         )
+        budget = acc.kv_cache_budget(free=free, total=total, weights=0)
+        report.expect(
+            isinstance(budget, int) and 0 < budget <= free,
+            "kv_cache_budget(free, total, weights=0) is bytes within what is free",
+            repr(budget),
+        )
     except Exception as exc:
-        report.problem(f"memory(0) raised {type(exc).__name__}: {exc}")
+        report.problem(f"memory(0)/kv_cache_budget() raised {type(exc).__name__}: {exc}")
 
     try:
         dev = acc.device(0)
