@@ -26,6 +26,14 @@ from plinth.hookspecs import (
     SelectionContext,
     hookimpl,
 )
+from plinth.tokenizer import Tokenizer
+from plinth.weights import (
+    GGUFFile,
+    dequantize_gguf,
+    iter_safetensors,
+    load_hf_config,
+    safetensors_files,
+)
 
 __all__ = [
     "OP_NAMES",
@@ -40,6 +48,7 @@ __all__ = [
     "BackendDescriptor",
     "CausalLM",
     "ConfigError",
+    "GGUFFile",
     "KVConnector",
     "KVConnectorDescriptor",
     "LoadContext",
@@ -51,5 +60,10 @@ __all__ = [
     "PluginError",
     "QuantizedWeight",
     "SelectionContext",
+    "Tokenizer",
+    "dequantize_gguf",
     "hookimpl",
+    "iter_safetensors",
+    "load_hf_config",
+    "safetensors_files",
 ]
