@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from plinth.testing import IsolatedEnv
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from plinth.api import Accelerator, AcceleratorDescriptor, AcceleratorInfo, hookimpl
 from plinth.plugins import EntryPointInfo, PluginRegistry

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plugin_fakes import accel, plugin_module, registry_of  # noqa: E402
-
 from plinth.api import PluginError, hookimpl  # noqa: E402
 from plinth.cli import CATEGORY_OPTIONS, build_parser, main, resolve_choices  # noqa: E402
 from plinth.plugins import PluginRegistry  # noqa: E402
+from plugin_fakes import accel, plugin_module, registry_of  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

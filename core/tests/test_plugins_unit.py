@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plugin_fakes import accel, plugin_module, registry_of  # noqa: E402
-
 from plinth.api import AcceleratorDescriptor, BackendDescriptor, PluginError, SelectionContext, hookimpl  # noqa: E402
 from plinth.plugins import (  # noqa: E402
     BLOCKED,
@@ -26,6 +24,7 @@ from plinth.plugins import (  # noqa: E402
     _matches,
     _split_patterns,
 )
+from plugin_fakes import accel, plugin_module, registry_of  # noqa: E402
 
 CTX = SelectionContext()
 

@@ -42,7 +42,8 @@ Shared pieces to reuse: ``Report`` (collect problems, raise once),
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from plinth.testing._report import ConformanceError, Report
 from plinth.testing.accelerator import AcceleratorReport, check_accelerator

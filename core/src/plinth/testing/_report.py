@@ -45,7 +45,7 @@ class Report:
             self.problem(f"{what}: {why}" if why else what)
         return condition
 
-    def raise_for_problems(self) -> "Report":
+    def raise_for_problems(self) -> Report:
         if self.problems:
             lines = "\n".join(f"  - {p}" for p in self.problems)
             raise ConformanceError(f"{self.subject} does not conform to the plinth plugin contract:\n{lines}")

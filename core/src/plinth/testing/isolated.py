@@ -18,8 +18,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 #: a build backend new enough for PEP 639 license strings, installed first so
 #: local distributions build without an isolated build env (much faster)
@@ -48,7 +48,7 @@ class IsolatedEnv:
     # ---- creation ------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str], *, core: str | None = None, build_isolation: bool = False) -> "IsolatedEnv":
+    def create(cls, path: str | os.PathLike[str], *, core: str | None = None, build_isolation: bool = False) -> IsolatedEnv:
         """A new venv at ``path`` with plinth-core (``core``: a path or a
         requirement; default ``core_source()``) and its dependencies."""
         subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, capture_output=True)

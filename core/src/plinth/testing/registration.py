@@ -11,7 +11,7 @@ import importlib.metadata
 import json
 import subprocess
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name

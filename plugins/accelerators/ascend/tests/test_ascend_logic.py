@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from plinth.api import SelectionContext
 from plinth_plugin_ascend import accelerator as mod
 from plinth_plugin_ascend.accelerator import AscendAccelerator

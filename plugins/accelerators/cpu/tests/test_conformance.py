@@ -1,7 +1,6 @@
 """plinth-plugin-cpu against the conformance kit: it must be available everywhere."""
 
 import torch
-
 from plinth.testing import AcceleratorConformance, check_accelerator
 
 

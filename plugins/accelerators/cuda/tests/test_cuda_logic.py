@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-
 from plinth.api import SelectionContext
 from plinth_plugin_cuda import accelerator as mod
 from plinth_plugin_cuda.accelerator import CUDAAccelerator

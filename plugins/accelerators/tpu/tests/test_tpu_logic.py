@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from plinth.api import SelectionContext
 from plinth_plugin_tpu import accelerator as mod
 from plinth_plugin_tpu.accelerator import TPUAccelerator

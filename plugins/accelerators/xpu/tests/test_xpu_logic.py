@@ -7,7 +7,6 @@ import types
 
 import pytest
 import torch
-
 from plinth.api import SelectionContext
 from plinth_plugin_xpu import accelerator as mod
 from plinth_plugin_xpu.accelerator import XPUAccelerator

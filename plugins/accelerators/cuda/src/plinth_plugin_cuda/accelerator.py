@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
 

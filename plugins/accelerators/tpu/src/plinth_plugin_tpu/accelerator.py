@@ -12,10 +12,10 @@ import glob
 import importlib.util
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
-
 
 DEV = "/dev"
 

@@ -12,7 +12,8 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
 
