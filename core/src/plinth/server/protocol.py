@@ -274,6 +274,9 @@ class MessagesRequest(_Request):
     metadata: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    #: structured outputs: {"format": {"type": "json_schema", "schema": {...}}}
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
 
 
 class CountTokensRequest(_Request):
