@@ -213,3 +213,17 @@ def test_blocked_plugins_are_never_imported() -> None:
     assert "plinth_plugin_ascend" in run("")
     loaded = run("ascend,plinth-plugin-xpu")
     assert "plinth_plugin_ascend" not in loaded and "plinth_plugin_xpu" not in loaded and "plinth_plugin_cpu" in loaded
+
+
+def test_serve_and_generate_fail_the_same_way_before_loading_anything(listing: dict) -> None:
+    """The engine's start-up uses the same selection: a bad --device stops
+    `platform generate` / `platform serve` at once, with the same message."""
+    proc = platform("generate", "--prompt", "hi", "--device", "nosuch")
+    assert proc.returncode == 2
+    assert "no accelerator named 'nosuch' (usable here: cpu" in proc.stderr
+    assert "cuda (plinth-plugin-cuda " in proc.stderr
+    rows = accel_rows(listing)
+    if rows["cuda"]["status"] == "unavailable":
+        proc = platform("serve", "--device", "cuda", "--port", "1")
+        assert proc.returncode == 2
+        assert "accelerator cuda (plinth-plugin-cuda 0.1.0) cannot be used: " + "; ".join(rows["cuda"]["reasons"]) in proc.stderr
