@@ -1,0 +1,1 @@
+"""plinth model plugin: dense Llama-family decoders."""

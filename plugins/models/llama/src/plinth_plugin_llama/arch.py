@@ -1,0 +1,135 @@
+"""What the dense Llama family's variants differ in, read from a Hugging Face
+config.json or from GGUF metadata into one ``LlamaArch``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from plinth.api import ConfigError, GGUFFile
+
+#: GGUF general.architecture -> the Hugging Face class it corresponds to
+GGUF_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass
+class LlamaArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    #: rope: theta, type and its parameters, as transformers' rope_parameters
+    rope: dict[str, Any] = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0
+    #: per layer: the sliding window, or None for full attention
+    sliding_windows: list[int | None] = field(default_factory=list)
+    #: per-head RMS norms of q and k (Qwen3)
+    qk_norm: bool = False
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _rope_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes ``rope_parameters`` (with rope_theta inside);
+    older configs have ``rope_theta`` and ``rope_scaling`` at the top."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, Mapping) or ("rope_type" not in params and "type" not in params and "rope_theta" not in params):
+        params = {}  # nested per layer type: not used by this family
+    rope = dict(params)
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+    return rope
+
+
+def _sliding_windows(cfg: Mapping[str, Any], arch: str, num_layers: int) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    if not window:
+        return [None] * num_layers
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if arch.startswith("Qwen"):  # older Qwen2 configs: a flag and the first full-attention layers
+        if not cfg.get("use_sliding_window", False):
+            return [None] * num_layers
+        first = cfg.get("max_window_layers", num_layers)
+        return [window if i >= first else None for i in range(num_layers)]
+    return [window] * num_layers  # Mistral: every layer
+
+
+def arch_from_hf(cfg: Mapping[str, Any]) -> LlamaArch:
+    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    arch = archs[0]
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    num_layers = int(cfg["num_hidden_layers"])
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope = _rope_from_hf(cfg)
+    return LlamaArch(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope=rope,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)),
+        sliding_windows=_sliding_windows(cfg, arch, num_layers),
+        qk_norm=arch == "Qwen3ForCausalLM",
+    )
+
+
+def hf_config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
+    """A config.json-like dict from GGUF metadata (the keys arch_from_hf reads)."""
+    arch = gguf.architecture
+    if arch not in GGUF_TO_HF:
+        raise ConfigError(f"{gguf.path}: GGUF architecture {arch!r} is not one the llama plugin builds ({', '.join(GGUF_TO_HF)})")
+    hidden = int(gguf.require(f"{arch}.embedding_length"))
+    heads = int(gguf.require(f"{arch}.attention.head_count"))
+    rotary = gguf.arch_get("rope.dimension_count")
+    head_dim = int(gguf.arch_get("attention.key_length") or hidden // heads)
+    cfg: dict[str, Any] = {
+        "architectures": [GGUF_TO_HF[arch]],
+        "model_type": arch,
+        "vocab_size": gguf.tensor_shape("token_embd.weight")[0],
+        "hidden_size": hidden,
+        "intermediate_size": int(gguf.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(gguf.require(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(gguf.arch_get("attention.head_count_kv") or heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(gguf.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(gguf.arch_get("context_length", 2048)),
+        "tie_word_embeddings": not gguf.has_tensor("output.weight"),
+        "rope_theta": float(gguf.arch_get("rope.freq_base", 10000.0)),
+        "bos_token_id": gguf.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf.get("tokenizer.ggml.eos_token_id"),
+    }
+    if rotary and int(rotary) != head_dim:
+        cfg["partial_rotary_factor"] = int(rotary) / head_dim
+    scaling = gguf.arch_get("rope.scaling.type")
+    if scaling and scaling != "none":
+        rope = {"rope_type": scaling, "rope_theta": cfg["rope_theta"], "factor": float(gguf.arch_get("rope.scaling.factor", 1.0))}
+        original = gguf.arch_get("rope.scaling.original_context_length")
+        if original:
+            rope["original_max_position_embeddings"] = int(original)
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if gguf.arch_get(key) is not None:
+                rope[name] = float(gguf.arch_get(key))
+        cfg["rope_parameters"] = rope
+    return cfg

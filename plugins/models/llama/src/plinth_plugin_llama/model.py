@@ -1,0 +1,121 @@
+"""The dense Llama-family decoder, computing only through the backend's ops.
+
+Per layer: rms_norm (fused with the residual add), one fused q/k/v linear,
+optional per-head q/k norms (Qwen3), rotary, paged attention, the output
+linear, rms_norm, one fused gate/up linear, silu_and_mul, the down linear.
+Weights live as plain attributes in what ``ops.pack_linear`` returned, so a
+backend may keep them in its own layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from plinth.api import AttentionMetadata
+
+from plinth_plugin_llama.arch import LlamaArch
+
+
+class LlamaLayer:
+    """One decoder layer's weights (no compute of its own)."""
+
+    __slots__ = (
+        "input_norm",
+        "qkv",
+        "qkv_bias",
+        "q_norm",
+        "k_norm",
+        "o_proj",
+        "o_bias",
+        "post_norm",
+        "gate_up",
+        "gate_up_bias",
+        "down",
+        "down_bias",
+        "sliding_window",
+    )
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, None)
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H];
+    compute_logits(hidden [N, H]) -> float32 logits [N, vocab]."""
+
+    def __init__(self, arch: LlamaArch, ops: Any, *, cos_sin: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor, lm_head: Any, layers: Sequence[LlamaLayer]) -> None:
+        super().__init__()
+        self.arch = arch
+        self.ops = ops
+        self.layers = list(layers)
+        self.embed = embed
+        self.norm = norm
+        self.lm_head = lm_head
+        self.cos_sin = cos_sin
+        self.eps = arch.rms_norm_eps
+        self.scale = arch.head_dim**-0.5
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[Any], meta: AttentionMetadata) -> torch.Tensor:
+        ops = self.ops
+        rms_norm, linear, rotary, attention, silu_and_mul = ops.rms_norm, ops.linear, ops.rotary, ops.attention, ops.silu_and_mul
+        eps, scale, cos_sin = self.eps, self.scale, self.cos_sin
+        num_heads, num_kv_heads, head_dim = self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim
+        q_size, kv_size = self.q_size, self.kv_size
+        num_tokens = input_ids.shape[0]
+
+        hidden = torch.nn.functional.embedding(input_ids, self.embed)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            if residual is None:
+                residual = hidden
+                x = rms_norm(hidden, layer.input_norm, eps)
+            else:
+                x, residual = rms_norm(hidden, layer.input_norm, eps, residual)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = q.view(num_tokens, num_heads, head_dim)
+            k = k.view(num_tokens, num_kv_heads, head_dim)
+            v = v.view(num_tokens, num_kv_heads, head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, eps)
+                k = rms_norm(k, layer.k_norm, eps)
+            q, k = rotary(q, k, positions, cos_sin, True)
+            out = attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=layer.sliding_window)
+            hidden = linear(out.reshape(num_tokens, q_size), layer.o_proj, layer.o_bias)
+            x, residual = rms_norm(hidden, layer.post_norm, eps, residual)
+            hidden = linear(silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        if residual is None:  # no layers
+            return rms_norm(hidden, self.norm, eps)
+        hidden, _ = rms_norm(hidden, self.norm, eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(hidden, self.lm_head).float()
+
+    def weights(self) -> list[Any]:
+        """Every weight object (tensors, or what pack_linear made of them)."""
+        out = [self.embed, self.norm, self.lm_head, self.cos_sin]
+        for layer in self.layers:
+            out.extend(getattr(layer, name) for name in LlamaLayer.__slots__ if name != "sliding_window")
+        return [w for w in out if w is not None]
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take on the device (each object counted once);
+        the weights are plain attributes, not parameters, since a backend may
+        repack linear weights into objects of its own."""
+        total, seen = 0, set()
+        for w in self.weights():
+            if id(w) in seen:
+                continue
+            seen.add(id(w))
+            if isinstance(w, torch.Tensor):
+                total += w.numel() * w.element_size()
+            else:
+                size = getattr(w, "nbytes", 0)
+                total += int(size() if callable(size) else size)
+        return total

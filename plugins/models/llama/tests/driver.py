@@ -1,0 +1,144 @@
+"""A small paged driver for a plinth CausalLM, without the engine.
+
+It keeps per-sequence page lists (pages handed out from a shuffled pool, so
+they are never contiguous), builds ``AttentionMetadata`` for each step, and
+runs greedy decoding. Prompts may be prefilled in chunks, so steps mix
+prefill chunks with a cached prefix and single-token decodes.
+
+    driver = PagedDriver(model, ops, cfg, page_size=16)
+    tokens = driver.greedy(prompts, 32, chunk=None)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import torch
+
+from plinth.api import AttentionMetadata, ModelConfig, SelectionContext
+
+
+def torch_ops() -> SimpleNamespace:
+    """The torch backend's op table, as the engine hands it to a model."""
+    from plinth_plugin_torch.backend import TorchBackend
+
+    return SimpleNamespace(**TorchBackend(SelectionContext()).ops())
+
+
+@dataclass
+class Seq:
+    tokens: list[int]  # prompt, then generated tokens
+    prompt_len: int
+    computed: int = 0  # tokens whose K/V are in the cache
+    pages: list[int] = field(default_factory=list)
+
+
+class PagedDriver:
+    def __init__(
+        self,
+        model: Any,
+        ops: Any,
+        cfg: ModelConfig,
+        *,
+        page_size: int,
+        num_pages: int | None = None,
+        max_tokens: int = 4096,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.model, self.ops, self.cfg = model, ops, cfg
+        self.page_size = page_size
+        self.device = torch.device(device)
+        num_pages = num_pages or -(-max_tokens // page_size) + 8
+        v_dim = cfg.v_head_dim or cfg.head_dim
+        self.kv_caches = [
+            (
+                torch.zeros(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=self.device),
+                torch.zeros(num_pages, page_size, cfg.num_kv_heads, v_dim, dtype=dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        self.free_pages = list(range(num_pages))
+        random.Random(seed).shuffle(self.free_pages)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def build(self, seqs: Sequence[Seq], counts: Sequence[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Input ids and metadata for ``counts[i]`` new tokens of each sequence."""
+        ps = self.page_size
+        ids, positions, slots, seq_lens = [], [], [], []
+        for seq, n in zip(seqs, counts):
+            end = seq.computed + n
+            while len(seq.pages) * ps < end:
+                seq.pages.append(self.free_pages.pop())
+            for pos in range(seq.computed, end):
+                ids.append(seq.tokens[pos])
+                positions.append(pos)
+                slots.append(seq.pages[pos // ps] * ps + pos % ps)
+            seq_lens.append(end)
+        max_pages = max(len(s.pages) for s in seqs)
+        tables = torch.zeros(len(seqs), max_pages, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            page_size=ps,
+            max_query_len=max(counts),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=list(counts),
+            seq_lens_cpu=seq_lens,
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta
+
+    @torch.no_grad()
+    def step(self, seqs: Sequence[Seq], counts: Sequence[int], *, all_logits: bool = False) -> list[torch.Tensor]:
+        """Run one forward over the sequences' next ``counts`` tokens; returns
+        per sequence the logits of its last token ([vocab]) or, with
+        all_logits, of every token of the step ([n, vocab])."""
+        input_ids, meta = self.build(seqs, counts)
+        self.ops.prepare_attention(meta)
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        out = []
+        start = 0
+        for seq, n in zip(seqs, counts):
+            rows = hidden[start : start + n] if all_logits else hidden[start + n - 1 : start + n]
+            logits = self.model.compute_logits(rows)
+            out.append(logits if all_logits else logits[0])
+            seq.computed += n
+            start += n
+        return out
+
+    # ---- whole runs ------------------------------------------------------------------------
+
+    def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """All prompts in one step; every position's logits per prompt."""
+        seqs = [Seq(list(p), len(p)) for p in prompts]
+        return self.step(seqs, [len(p) for p in prompts], all_logits=True)
+
+    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, chunk: int | None = None) -> list[list[int]]:
+        """Greedy continuation of every prompt. With ``chunk``, prompts are
+        prefilled ``chunk`` tokens per step while finished ones decode."""
+        seqs = [Seq(list(p), len(p)) for p in prompts]
+        while any(len(s.tokens) - s.prompt_len < max_new_tokens for s in seqs):
+            active = [s for s in seqs if len(s.tokens) - s.prompt_len < max_new_tokens]
+            counts = []
+            for s in active:
+                remaining = len(s.tokens) - s.computed  # prompt left, or the last sampled token
+                counts.append(min(remaining, chunk) if chunk and remaining > 1 else remaining)
+            logits = self.step(active, counts)
+            for s, row in zip(active, logits):
+                if s.computed == len(s.tokens):  # its whole context is in: sample the next token
+                    s.tokens.append(int(row.argmax()))
+        return [s.tokens[s.prompt_len :] for s in seqs]
