@@ -132,9 +132,7 @@ def test_n3_distinct_with_seed(oai, srv):
     texts = [c.message.content for c in r.choices]
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len(set(texts)) == 3, texts
-    assert r.usage.completion_tokens == sum(
-        len(httpx.post(srv.url + "/tokenize", json={"prompt": t, "add_special_tokens": False}).json()["tokens"]) for t in texts
-    ) or r.usage.completion_tokens >= 3
+    assert r.usage.completion_tokens >= 3
     # streamed: the choices interleave by index and add up to the same texts
     seen: dict[int, str] = {0: "", 1: "", 2: ""}
     order = []
@@ -153,7 +151,9 @@ def test_chat_logprobs(oai, srv):
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for entry in content:
-        assert entry.logprob <= 0 and isinstance(entry.token, str) and entry.bytes == list(entry.token.encode())
+        assert entry.logprob <= 0 and isinstance(entry.token, str) and isinstance(entry.bytes, list)
+        if "\ufffd" not in entry.token:
+            assert bytes(entry.bytes).decode() == entry.token
         assert len(entry.top_logprobs) == 3
         # greedy: the chosen token is the most likely one
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
@@ -303,8 +303,9 @@ def test_messages_system_top_level_and_inline(claude, srv):
     assert blocks.usage.input_tokens == top.usage.input_tokens
     if srv.exact:
         assert inline.content[0].text == top.content[0].text == blocks.content[0].text
+    # no system prompt at all: another prompt (SmolLM2's template then adds its default one)
     none = claude.messages.create(model=MODEL, max_tokens=8, messages=CHAT, extra_body={"temperature": 0})
-    assert none.usage.input_tokens < top.usage.input_tokens
+    assert none.usage.input_tokens != top.usage.input_tokens
 
 
 def test_messages_stream_events(claude, srv):
@@ -322,7 +323,7 @@ def test_messages_stream_events(claude, srv):
         "POST", srv.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": CHAT, "stream": True}, timeout=60
     ) as resp:
         lines = [line for line in resp.iter_lines() if line]
-    pairs = list(zip(lines[::2], lines[1::2]))
+    pairs = list(zip(lines[::2], lines[1::2], strict=False))
     for ev, data in pairs:
         assert ev.startswith("event: ") and data.startswith("data: ")
         assert json.loads(data[6:])["type"] == ev[7:]
@@ -409,3 +410,16 @@ def test_tokenize_detokenize_version_health(srv):
 def test_idle_afterwards(srv):
     """Nothing above left pages held."""
     assert free_pages_back(srv.engine, srv.engine.stats()["num_pages"])
+
+
+def test_messages_structured_output(claude, srv):
+    """Anthropic's structured outputs: output_config.format."""
+    r = claude.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        messages=[{"role": "user", "content": "A person as JSON, please."}],
+        output_config={"format": {"type": "json_schema", "schema": PERSON}},
+        extra_body={"temperature": 0.8},
+    )
+    assert r.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(r.content[0].text), PERSON)

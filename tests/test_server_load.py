@@ -71,7 +71,7 @@ def test_64_concurrent_streams(srv):
     results = asyncio.run(main())
     elapsed = time.monotonic() - t0
     assert len(results) == 64
-    for text, finish, usage in results:
+    for _text, finish, usage in results:
         assert finish in ("stop", "length")
         assert 1 <= usage <= max_tokens
     print(f"64 streams, {sum(r[2] for r in results)} tokens in {elapsed:.1f}s")

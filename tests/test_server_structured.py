@@ -11,10 +11,9 @@ import pytest
 pytest.importorskip("xgrammar")
 torch = pytest.importorskip("torch")
 
-from server_fixtures import EOS, FAKE_LOGITS, FAKE_VOCAB, ByteTokenizer  # noqa: E402
-
 from plinth.errors import RequestError  # noqa: E402
 from plinth.server.structured import GrammarCompiler, normalize  # noqa: E402
+from server_fixtures import EOS, FAKE_LOGITS, FAKE_VOCAB, ByteTokenizer  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -125,9 +127,32 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
             timeout_graceful_shutdown=5,
             access_log=str(args.uvicorn_log_level).lower() in ("debug", "trace", "info"),
         )
-        server = uvicorn.Server(uconfig)
+        server = _server_class(uvicorn)(uconfig)
         server.run(sockets=[sock])
+        if getattr(server, "stopped_by", None):
+            log.info("stopped by %s", ", ".join(signal.Signals(s).name for s in server.stopped_by))
     finally:
         engine.shutdown()
         sock.close()
     return 0
+
+
+def _server_class(uvicorn: Any) -> Any:
+    """uvicorn's Server, except that SIGINT/SIGTERM end a graceful shutdown
+    with exit status 0 instead of being raised again once it is done."""
+
+    class Server(uvicorn.Server):
+        stopped_by: list[int] = []
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    captured = getattr(self, "_captured_signals", None)
+                    if isinstance(captured, list):
+                        self.stopped_by = list(captured)
+                        captured.clear()
+
+    return Server

@@ -60,11 +60,11 @@ class APIError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def bad_request(cls, message: str, *, param: str | None = None, code: str | None = None) -> "APIError":
+    def bad_request(cls, message: str, *, param: str | None = None, code: str | None = None) -> APIError:
         return cls(400, message, param=param, code=code)
 
     @classmethod
-    def from_request_error(cls, exc: RequestError) -> "APIError":
+    def from_request_error(cls, exc: RequestError) -> APIError:
         return cls(400, str(exc), param=exc.param, code=exc.code)
 
     def openai_body(self) -> dict[str, Any]:

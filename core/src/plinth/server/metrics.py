@@ -12,7 +12,8 @@ and waiting requests, KV page usage, prefix-cache hit rate) are read from
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -113,7 +114,7 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def track(self) -> "RequestTracker":
+    def track(self) -> RequestTracker:
         return RequestTracker(self)
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -100,16 +101,16 @@ class OpenAIServing:
 
     def chat_logprobs(self, lps: list[TokenLogprobs], k: int) -> ChatLogprobs:
         tok = self.ctx.token_str
+        raw = self.ctx.token_bytes
         content = []
         for lp in lps:
-            s = tok(lp.token_id)
             content.append(
                 ChatLogprobToken(
-                    token=s,
+                    token=tok(lp.token_id),
                     logprob=clamp_logprob(lp.logprob),
-                    bytes=list(s.encode("utf-8")),
+                    bytes=raw(lp.token_id),
                     top_logprobs=[
-                        TopLogprob(token=tok(t.token_id), logprob=clamp_logprob(t.logprob), bytes=list(tok(t.token_id).encode("utf-8")))
+                        TopLogprob(token=tok(t.token_id), logprob=clamp_logprob(t.logprob), bytes=raw(t.token_id))
                         for t in lp.top[:k]
                     ],
                 )
@@ -121,7 +122,7 @@ class OpenAIServing:
     ) -> CompletionLogprobs:
         tok = self.ctx.token_str
         out = CompletionLogprobs()
-        for tid, lp in zip(token_ids, lps):
+        for tid, lp in zip(token_ids, lps, strict=False):
             s = tok(tid)
             out.tokens.append(s)
             out.text_offset.append(offset)
@@ -243,7 +244,7 @@ class OpenAIServing:
     ) -> CompletionResponse:
         choices = []
         prompt_tokens = completion_tokens = cached = 0
-        for p_idx, (out, (ptext, pids)) in enumerate(zip(finals, prompts)):
+        for p_idx, (out, (ptext, pids)) in enumerate(zip(finals, prompts, strict=False)):
             prompt_tokens += len(out.prompt_token_ids)
             cached += out.num_cached_tokens
             for c in out.outputs:
@@ -366,7 +367,10 @@ class OpenAIServing:
                 raise APIError.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
         messages = chat_messages(req.messages)
         prompt_text, ids = ctx.chat_prompt(
-            messages, add_generation_prompt=req.add_generation_prompt, template_kwargs=req.chat_template_kwargs
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            template_kwargs=req.chat_template_kwargs,
+            tools=req.tools,
         )
         if not ids:
             raise APIError.bad_request("the chat template made an empty prompt", param="messages")

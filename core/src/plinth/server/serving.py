@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -18,7 +20,7 @@ from starlette.responses import StreamingResponse
 
 from plinth.engine.outputs import RequestOutput
 from plinth.engine.sampling_params import SamplingParams
-from plinth.errors import RequestError
+from plinth.errors import PlinthError, RequestError
 from plinth.server.errors import APIError, engine_exception
 from plinth.server.metrics import RequestTracker, ServerMetrics
 
@@ -65,6 +67,7 @@ class ServingContext:
         self.metrics = ServerMetrics(engine, self.model_name) if settings.enable_metrics else None
         self._grammars: Any = None
         self._token_strs: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
 
     # ---- model names ---------------------------------------------------------------
 
@@ -95,12 +98,16 @@ class ServingContext:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat template applied to ``messages``: (text, token ids)."""
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
-            )
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        except PlinthError as exc:  # e.g. a model without a chat template
+            raise APIError.bad_request(f"{exc}; use /v1/completions with a plain prompt", param="messages") from None
         except TypeError as exc:
             if template_kwargs:
                 raise APIError.bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
@@ -117,11 +124,24 @@ class ServingContext:
         return text, self.encode(text, add_special_tokens=False)
 
     def token_str(self, token_id: int) -> str:
+        """One token as text (for logprobs); a piece of a multi-byte character
+        shows as U+FFFD, its ``token_bytes`` are exact."""
         s = self._token_strs.get(token_id)
         if s is None:
             s = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_strs[token_id] = s
         return s
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The UTF-8 bytes one token stands for, from its vocabulary spelling
+        where the tokenizer tells it (byte-level 'Ġ...', byte-fallback '<0xE2>')."""
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            b = _piece_bytes(self.tokenizer, token_id)
+            if b is None:
+                b = self.token_str(token_id).encode("utf-8")
+            self._token_bytes[token_id] = b
+        return list(b)
 
     def check_prompt_ids(self, ids: Sequence[Any], param: str = "prompt") -> list[int]:
         vocab = self.engine.model_config.vocab_size
@@ -177,7 +197,7 @@ class ServingContext:
     def tracker(self) -> RequestTracker:
         return RequestTracker(self.metrics)
 
-    async def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None) -> "Generation":
+    async def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None) -> Generation:
         """Submit a request; bad input and a full queue raise APIError here,
         before any response byte is sent."""
         gen = self.engine.generate(prompt_ids, params, request_id=request_id, prompt=prompt)
@@ -193,6 +213,36 @@ class ServingContext:
                 err.headers.setdefault("Retry-After", str(self.settings.retry_after_s))
             raise err
         return Generation(gen, first, self.tracker())
+
+
+_BYTE_DECODER: dict[str, int] | None = None
+_HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _piece_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+    global _BYTE_DECODER
+    to_piece = getattr(tokenizer, "id_to_piece", None)
+    kind = str(getattr(tokenizer, "vocab_type", "raw"))
+    if to_piece is None or token_id in getattr(tokenizer, "special_token_ids", ()):
+        return None
+    try:
+        piece = to_piece(token_id)
+    except Exception:
+        return None
+    if kind == "byte_level":
+        if _BYTE_DECODER is None:
+            from plinth.tokenizer import bytes_to_unicode
+
+            _BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
+        if all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        return None
+    if kind == "byte_fallback":
+        m = _HEX_BYTE.match(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+    return None
 
 
 class Generation:
@@ -325,7 +375,7 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], *, generations: Sequence["Generation"] = (), **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], *, generations: Sequence[Generation] = (), **kwargs: Any) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(kwargs.pop("headers", None) or {})}
         super().__init__(content, headers=headers, **kwargs)
         self.generations = list(generations)

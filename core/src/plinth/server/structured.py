@@ -3,7 +3,7 @@
 
 What a request may ask for (all normalized to a ``(kind, spec)`` pair):
 
-- ``response_format: {"type": "json_object"}``: any JSON object;
+- ``response_format: {"type": "json_object"}``: a JSON object (not any value);
 - ``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``
   (and vLLM's ``guided_json``): JSON that validates against the schema;
 - vLLM's ``guided_regex``: text matching a regular expression;
@@ -258,8 +258,8 @@ class GrammarCompiler:
             self.misses += 1
             param = "response_format"
             try:
-                if kind == "json_object":
-                    grammar = compiler.compile_builtin_json_grammar()
+                if kind == "json_object":  # an object (xgrammar's builtin JSON grammar takes any value)
+                    grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
                 elif kind == "json_schema":
                     grammar = compiler.compile_json_schema(canonical(spec), any_whitespace=False)
                 elif kind == "regex":
@@ -281,7 +281,7 @@ class GrammarCompiler:
             self._cache[key] = grammar
             return grammar
 
-    def state(self, kind: str, spec: Any) -> "XGrammarState":
+    def state(self, kind: str, spec: Any) -> XGrammarState:
         return XGrammarState(self.compile(kind, spec), self.vocab_size)
 
 
@@ -313,5 +313,5 @@ class XGrammarState:
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
-    def fork(self) -> "XGrammarState":
+    def fork(self) -> XGrammarState:
         return XGrammarState(None, self.vocab_size, matcher=self.matcher.fork())
