@@ -81,8 +81,8 @@ def test_prefix_cache_reuses_pages_with_identical_output(tiny_root):
 def test_preemption_keeps_outputs_identical(tiny_root):
     path = tiny_model_dir("llama", tiny_root)
     prompts = _prompts(3)
-    # 5 sequences need up to 133 tokens each (~45 pages of 3); 40 pages force preemption
-    llm = _llm(path, page_size=3, num_pages=40)
+    # together the 5 sequences need 130 pages of 3 tokens; the longest alone 45
+    llm = _llm(path, page_size=3, num_pages=50)
     outs = llm.generate(prompts, _greedy())
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):

@@ -110,14 +110,20 @@ def reference_model(path: str):
 
 
 def reference_greedy(path: str, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation, ignoring EOS (an explicit loop over
+    its forward with its KV cache: generate() would ban EOS under
+    min_new_tokens and treat pad-id tokens in the prompt as padding)."""
     import torch
 
     model = reference_model(path)
+    out: list[int] = []
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-        )
-    return out[0, len(prompt):].tolist()
+        res = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            res = model(torch.tensor([[token]]), cache=res.past_key_values, use_cache=True)
+    return out
 
 
 def reference_logprobs(path: str, tokens: list[int]):
