@@ -1,15 +1,17 @@
-"""Pre-packed oneDNN linear layers."""
+"""Pre-packed oneDNN linear layers.
+
+torch is imported inside functions: `platform plugins` imports this module to
+ask ``check()``, and that must stay fast.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Callable, Mapping
-
-import torch
-import torch.nn.functional as F
 
 from plinth.api import Backend, SelectionContext
 
-_DTYPES = (torch.bfloat16, torch.float32)
+_DTYPE_NAMES = ("bfloat16", "float32")
 
 
 class PackedLinear:
@@ -17,25 +19,37 @@ class PackedLinear:
 
     __slots__ = ("packed", "out_features", "in_features", "dtype")
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: Any) -> None:
+        import torch
+
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
     def nbytes(self) -> int:
-        return self.out_features * self.in_features * torch.empty((), dtype=self.dtype).element_size()
+        return self.out_features * self.in_features * self.dtype.itemsize
 
 
 def pack_linear(weight: Any) -> Any:
-    if isinstance(weight, torch.Tensor) and weight.dtype in _DTYPES and weight.dim() == 2 and weight.device.type == "cpu":
+    """Pack plain CPU bf16/fp32 matrices; anything else is returned as is."""
+    import torch
+
+    if (
+        isinstance(weight, torch.Tensor)
+        and str(weight.dtype).removeprefix("torch.") in _DTYPE_NAMES
+        and weight.dim() == 2
+        and weight.device.type == "cpu"
+    ):
         return PackedLinear(weight)
-    return weight  # quantized or unusual weights keep the reference path
+    return weight
 
 
-def make_linear(reference_linear: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def make_linear(reference_linear: Callable[..., Any]) -> Callable[..., Any]:
+    import torch
+
     mkldnn_linear = torch.ops.mkldnn._linear_pointwise
 
-    def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(x: Any, weight: Any, bias: Any = None) -> Any:
         if type(weight) is PackedLinear:
             if x.dtype != weight.dtype:
                 x = x.to(weight.dtype)
@@ -53,18 +67,20 @@ class OneDNNBackend(Backend):
         reasons = []
         if ctx.accelerator is not None and getattr(ctx.accelerator, "device_type", "") != "cpu":
             reasons.append(f"runs on CPUs only, not {ctx.accelerator.device_type}")
-        try:
-            import torch as _torch
-
-            if not _torch.backends.mkldnn.is_available():
-                reasons.append("this torch build has no oneDNN (MKL-DNN)")
-        except ImportError:
+        if importlib.util.find_spec("torch") is None:
             reasons.append("torch is not installed")
-        if ctx.dtype is not None and ctx.dtype not in _DTYPES:
+        elif ctx.accelerator is not None:  # chosen for real: now torch may load
+            import torch
+
+            if not torch.backends.mkldnn.is_available():
+                reasons.append("this torch build has no oneDNN (MKL-DNN)")
+        if ctx.dtype is not None and str(ctx.dtype).removeprefix("torch.") not in _DTYPE_NAMES:
             reasons.append(f"dtype {ctx.dtype} is not bfloat16 or float32")
         return reasons
 
     def ops(self) -> Mapping[str, Callable[..., Any]]:
+        import torch.nn.functional as F
+
         # weights it does not pack (quantized ones) keep the reference's
         # packing and linear
         ref_pack = self.reference.get("pack_linear", lambda w: w)
