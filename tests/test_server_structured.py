@@ -136,6 +136,20 @@ def test_state_masks_accepts_forks_and_pads(compiler):
     assert not fork.accept(ord("}"))  # rejected: "n" is required
 
 
+def test_strings_are_strict_json(compiler):
+    """No raw control characters in strings, bounded (maxLength) or not:
+    xgrammar's own grammar admits them in bounded strings."""
+    tok = ByteTokenizer()
+    for schema in (SCHEMA, {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}):
+        state = compiler.state("json_schema", schema)
+        _drive(state, tok, '{"name": "')
+        row = torch.zeros(FAKE_LOGITS)
+        state.mask_logits(row)
+        allowed = set((row == 0).nonzero().flatten().tolist())
+        assert not allowed & set(range(32)), sorted(allowed & set(range(32)))
+        assert ord("a") in allowed and 0xC3 in allowed  # ASCII, and the first byte of "é"
+
+
 def test_mask_on_a_row_view_of_a_batch(compiler):
     """The sampler hands the grammar a row view of [rows, vocab] logits."""
     state = compiler.state("regex", "ab+")
@@ -152,3 +166,46 @@ def test_logits_narrower_than_the_vocabulary():
     row = torch.zeros(FAKE_VOCAB)
     state.mask_logits(row)
     assert row[ord("{")] == 0
+
+
+@pytest.mark.slow
+def test_padded_vocabulary_end_to_end(tiny_root, caplog):
+    """A real model whose logits (300) are wider than its tokenizer (264):
+    structured output through the server never picks a padding id."""
+    import jsonschema
+    import openai
+    from server_fixtures import serve, smollm2_missing
+    from tiny_models import VOCAB, tiny_model_dir
+
+    if smollm2_missing():
+        pytest.skip(smollm2_missing())
+    from plinth.engine.async_engine import AsyncLLM
+    from plinth.engine.config import EngineConfig
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 4}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    path = tiny_model_dir("llama", tiny_root)
+    engine = AsyncLLM.from_config(EngineConfig(model=path, dtype="float32", num_pages=256, load_progress=False))
+    try:
+        assert engine.model_config.vocab_size == VOCAB > engine.tokenizer.vocab_size
+        with serve(engine, names=["tiny"]) as s:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+            r = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "json"}],
+                n=8,
+                temperature=1.0,
+                seed=0,
+                max_tokens=40,
+                response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            )
+            for c in r.choices:
+                assert c.finish_reason == "stop", c.message.content
+                jsonschema.validate(json.loads(c.message.content), schema)
+        assert "grammar rejected" not in caplog.text
+    finally:
+        engine.shutdown()

@@ -214,6 +214,26 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -
     )
 
 
+#: string characters in xgrammar's JSON grammars: its length-bounded strings
+#: admit raw control characters (invalid JSON), and all its strings admit
+#: UTF-16 surrogates encoded as UTF-8 (invalid UTF-8)
+_BOUNDED_CHAR = r'[^\"\\\r\n]'
+_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_STRICT_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
+
+
+def json_schema_grammar(schema_json: str) -> Any:
+    """xgrammar's grammar for a JSON schema (compact separators, no runs of
+    whitespace), with string characters as strict JSON has them."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema_json, any_whitespace=False))
+    fixed = ebnf.replace(_BOUNDED_CHAR, _STRICT_CHAR).replace(_STRING_CHAR, _STRICT_CHAR)
+    if fixed == ebnf:
+        return xgr.Grammar.from_json_schema(schema_json, any_whitespace=False)
+    return xgr.Grammar.from_ebnf(fixed)
+
+
 class GrammarCompiler:
     """Compiles and caches grammars for one model's vocabulary.
 
@@ -258,10 +278,10 @@ class GrammarCompiler:
             self.misses += 1
             param = "response_format"
             try:
-                if kind == "json_object":  # an object (xgrammar's builtin JSON grammar takes any value)
-                    grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-                elif kind == "json_schema":
-                    grammar = compiler.compile_json_schema(canonical(spec), any_whitespace=False)
+                if kind in ("json_object", "json_schema"):
+                    # json_object: an object (xgrammar's builtin JSON grammar takes any value)
+                    schema = '{"type": "object"}' if kind == "json_object" else canonical(spec)
+                    grammar = compiler.compile_grammar(json_schema_grammar(schema))
                 elif kind == "regex":
                     param = "guided_regex"
                     grammar = compiler.compile_regex(spec)
