@@ -79,11 +79,11 @@ CASES = [
     ("role-chat", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, None, "messages.0.role"),
     ("role-messages", MSG, msg(messages=[{"role": "wizard", "content": "hi"}]), 400, None, None),
     # n out of range
-    ("n-zero", CHAT, chat(n=0), 400, None, "n"),
+    ("n-zero", CHAT, chat(n=0), 400, "invalid_value", "n"),
     ("n-too-many", CHAT, chat(n=129), 400, None, "n"),
     ("n-negative-completions", CMPL, cmpl(n=-1), 400, None, "n"),
     # max_tokens < 1, or beyond the context
-    ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, None, "max_tokens"),
+    ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, "invalid_value", "max_tokens"),
     ("max-completion-tokens-negative", CHAT, chat(max_completion_tokens=-3), 400, None, "max_tokens"),
     ("max-tokens-zero-completions", CMPL, cmpl(max_tokens=0), 400, None, "max_tokens"),
     ("max-tokens-zero-messages", MSG, msg(max_tokens=0), 400, None, None),

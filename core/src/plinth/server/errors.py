@@ -65,7 +65,7 @@ class APIError(Exception):
 
     @classmethod
     def from_request_error(cls, exc: RequestError) -> APIError:
-        return cls(400, str(exc), param=exc.param, code=exc.code)
+        return cls(400, str(exc), param=exc.param, code=exc.code or "invalid_value")
 
     def openai_body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
