@@ -237,6 +237,8 @@ def test_model_is_discovered_and_ready_check_runs(fake_server):
     res = bs.run_benchmark(cfg, log=_quiet)
     assert res["model_id"] == "fake-model" and res["completed"] == 2
     assert len(fake.bodies) == 3 and fake.bodies[0]["max_tokens"] == 4  # the test request, then the run
+    # the test request has its own prompt, so no prompt of the run starts with a prefix-cache hit
+    assert fake.bodies[0]["prompt"] not in (fake.bodies[1]["prompt"], fake.bodies[2]["prompt"])
 
 
 def test_poisson_arrivals_spread_the_starts(fake_server):

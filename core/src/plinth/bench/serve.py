@@ -835,7 +835,7 @@ async def _ready_check(client: Any, cfg: BenchConfig, model: str, req: SampleReq
 
     deadline = time.monotonic() + cfg.ready_timeout
     while True:
-        out = await send_request(client, cfg, model, req, time.perf_counter(), max_tokens=min(4, req.expected_output_len))
+        out = await send_request(client, cfg, model, req, time.perf_counter(), max_tokens=req.expected_output_len)
         if out.success:
             return None
         retry = out.error.startswith(("ConnectError", "ConnectTimeout", "RemoteProtocolError", "ReadError", "HTTP 5"))
@@ -861,7 +861,9 @@ async def benchmark(cfg: BenchConfig, requests: list[SampleRequest], model: str,
     try:
         if cfg.ready_timeout > 0:
             log("Starting initial single prompt test run...")
-            why = await _ready_check(client, cfg, model, requests[0])
+            # its own prompt: one of the run's would then start with a prefix-cache hit
+            probe = SampleRequest(prompt="Hello, are you ready?", prompt_len=6, expected_output_len=4)
+            why = await _ready_check(client, cfg, model, probe)
             if why is not None:
                 raise RuntimeError(f"the test request failed: {why}")
             log("Initial test run completed.")
@@ -924,6 +926,9 @@ def run(args: argparse.Namespace, registry: Any = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     try:
         res = run_benchmark(cfg)
     except Exception as exc:  # a server that never answered, a bad tokenizer path: say so, no traceback
