@@ -178,6 +178,7 @@ def test_completion_logprobs_and_echo(oai, srv):
     assert all(v <= 0 for v in lp.token_logprobs[1:])
     assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[r.usage.prompt_tokens] == len(prompt)  # offsets index the returned text
     r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=0, temperature=0)
     assert len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens
 

@@ -126,7 +126,7 @@ class OpenAIServing:
             s = tok(tid)
             out.tokens.append(s)
             out.text_offset.append(offset)
-            offset += len(s)
+            offset += self.ctx.text_width(tid)
             if lp is None:  # the first prompt token: nothing precedes it
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
@@ -295,6 +295,7 @@ class OpenAIServing:
         completion_tokens: dict[int, int] = {}
         cached: dict[int, int] = {}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        ctx_width = self.ctx.text_width
 
         def chunk(choices: list[CompletionChoice]) -> str:
             return sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=choices).model_dump_json())
@@ -328,7 +329,7 @@ class OpenAIServing:
                     lp = None
                     if req.logprobs is not None and t1 > t0:
                         lp = self.completion_logprobs(list(c.token_ids[t0:t1]), list((c.logprobs or [])[t0:t1]), req.logprobs, offsets[index])
-                        offsets[index] += sum(len(s) for s in lp.tokens)
+                        offsets[index] += sum(ctx_width(t) for t in c.token_ids[t0:t1])
                     if c.finished:
                         cur.finished = True
                     if delta or lp is not None or c.finished:

@@ -68,6 +68,7 @@ class ServingContext:
         self._grammars: Any = None
         self._token_strs: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
+        self._text_widths: dict[int, int] = {}
 
     # ---- model names ---------------------------------------------------------------
 
@@ -131,6 +132,15 @@ class ServingContext:
             s = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_strs[token_id] = s
         return s
+
+    def text_width(self, token_id: int) -> int:
+        """How many characters a token adds to text decoded without special
+        tokens (0 for BOS and the like): what ``text_offset`` counts."""
+        w = self._text_widths.get(token_id)
+        if w is None:
+            w = len(self.tokenizer.decode([token_id], skip_special_tokens=True))
+            self._text_widths[token_id] = w
+        return w
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The UTF-8 bytes one token stands for, from its vocabulary spelling
