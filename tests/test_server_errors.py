@@ -122,6 +122,10 @@ CASES = [
     ("image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, None, "messages.0.content.0.type"),
     ("image-block", MSG, msg(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, None, None),
     ("best-of", CMPL, cmpl(best_of=3), 400, None, "best_of"),
+    ("lone-surrogate-chat", CHAT, b'{"model": "test-model", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400, None, "messages"),
+    ("lone-surrogate-prompt", CMPL, b'{"model": "test-model", "prompt": "a\\ud800"}', 400, None, "prompt"),
+    ("text-plain-body", CHAT, ("text/plain", b'{"model": "test-model", "messages": []}'), 400, None, None),
+    ("deeply-nested", CHAT, b"[" * 100000 + b"]" * 100000, 400, None, None),
 ]
 
 
@@ -161,7 +165,9 @@ def test_bad_input(srv, case):
     _, path, body, status, code, param = case
     if body is LONG:
         body = _long_body(path, srv.engine.max_model_len)
-    if isinstance(body, bytes):
+    if isinstance(body, tuple):  # (content type, bytes)
+        resp = httpx.post(srv.url + path, content=body[1], headers={"content-type": body[0]})
+    elif isinstance(body, bytes):
         resp = httpx.post(srv.url + path, content=body, headers={"content-type": "application/json"})
     else:
         resp = httpx.post(srv.url + path, json=body)
@@ -178,6 +184,7 @@ def test_bad_input_when_streaming(srv, path):
 def test_unknown_route_and_method(srv):
     check_error(httpx.post(srv.url + "/v1/nothing", json={}), "/v1/nothing", 404)
     check_error(httpx.get(srv.url + CHAT), CHAT, 405)
+    assert httpx.head(srv.url + "/health").status_code == 200
 
 
 def test_still_serving_and_nothing_held(srv):

@@ -204,13 +204,13 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         thread = getattr(engine, "_thread", None)
         return thread is None or thread.is_alive()
 
-    @app.get("/health", response_model=HealthResponse)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def health() -> Response:
         if not _alive():
             return JSONResponse({"status": "engine thread is not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready", response_model=HealthResponse)
+    @app.api_route("/ready", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def ready() -> Response:
         if not _alive() or getattr(engine, "_stop", False):
             return JSONResponse({"status": "not ready"}, status_code=503)

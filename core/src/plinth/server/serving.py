@@ -87,11 +87,12 @@ class ServingContext:
 
     # ---- prompts -------------------------------------------------------------------
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         try:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except TypeError:
-            return list(self.tokenizer.encode(text))
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") in the JSON
+            raise APIError.bad_request(f"the text is not valid Unicode: {exc.reason} at {exc.start}", param=param) from None
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_prompt(
         self,
@@ -122,7 +123,7 @@ class ServingContext:
         if not isinstance(text, str):  # a tokenizer that returns ids
             ids = list(text)
             return self.tokenizer.decode(ids, skip_special_tokens=False), ids
-        return text, self.encode(text, add_special_tokens=False)
+        return text, self.encode(text, add_special_tokens=False, param="messages")
 
     def token_str(self, token_id: int) -> str:
         """One token as text (for logprobs); a piece of a multi-byte character
