@@ -138,6 +138,27 @@ def test_rotary(is_neox, rotary_dim):
         torch.testing.assert_close(qf.view_as(q), q2)
 
 
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_of_adjacent_q_and_k_views(is_neox):
+    """q and k as views of one fused projection are rotated in one go; the
+    result must equal rotating them separately, and the input stays as is."""
+    g = torch.Generator().manual_seed(7)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    angles = torch.arange(50, dtype=torch.float32)[:, None] * inv_freq
+    cos_sin = torch.cat((angles.cos(), angles.sin()), -1)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=g)
+    before = qkv.clone()
+    q, k, _ = qkv.split((64, 32, 32), -1)
+    q, k = q.view(5, 4, 16), k.view(5, 2, 16)
+    assert ops._adjacent_heads(q, k) is not None
+    positions = torch.tensor([0, 3, 9, 10, 49])
+    q2, k2 = ops.rotary(q, k, positions, cos_sin, is_neox)
+    torch.testing.assert_close(q2.double(), ref.rotary(q, positions, inv_freq, 16, is_neox), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k2.double(), ref.rotary(k, positions, inv_freq, 16, is_neox), atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv, before)
+    assert ops._adjacent_heads(q, k.clone()) is None and ops._adjacent_heads(k, q) is None
+
+
 def test_copy_pages():
     k = torch.randn(10, 4, 2, 8)
     v = torch.randn(10, 4, 2, 8)

@@ -38,7 +38,8 @@ class DecodePlan:
     seq_lens: torch.Tensor  # [num_seqs]
     token_index: torch.Tensor | None  # their rows in the flat batch; None: all rows, in order
     key_positions: torch.Tensor  # [num_pages * page_size]
-    masks: dict[Any, torch.Tensor | None] = field(default_factory=dict)  # window -> [B, 1, 1, L]
+    length: int | None  # the one sequence's length (host), when there is one
+    masks: dict[Any, torch.Tensor | None] = field(default_factory=dict)  # (window, dtype) -> [B, 1, 1, L]
 
 
 @dataclass
@@ -49,7 +50,7 @@ class PrefillPlan:
     end: int
     seq_len: int  # context length including the chunk
     pages: torch.Tensor | None  # int64 pages holding its context; None when there is no prefix
-    masks: dict[Any, torch.Tensor | None] = field(default_factory=dict)  # window -> [q, s] or None (causal)
+    masks: dict[Any, torch.Tensor | None] = field(default_factory=dict)  # (window, dtype) -> [q, s] or None (causal)
 
     @property
     def query_len(self) -> int:
@@ -63,6 +64,7 @@ class PrefillPlan:
 @dataclass
 class AttentionPlan:
     num_tokens: int
+    slots: torch.Tensor  # slot_mapping as int64
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
 
@@ -100,6 +102,7 @@ def build_plan(meta: AttentionMetadata) -> AttentionPlan:
             seq_lens=lens.to(device=device, dtype=torch.long),
             token_index=token_index,
             key_positions=torch.arange(num_pages * page_size, device=device),
+            length=seq_lens[decode_ids[0]] if len(decode_ids) == 1 else None,
         )
 
     prefills = []
@@ -111,35 +114,48 @@ def build_plan(meta: AttentionMetadata) -> AttentionPlan:
             pages = meta.block_tables[i, : -(-seq_lens[i] // page_size)].long()
         prefills.append(PrefillPlan(start=starts[i], end=starts[i] + n, seq_len=seq_lens[i], pages=pages))
 
-    plan = AttentionPlan(num_tokens=starts[-1], decode=decode, prefills=prefills)
+    plan = AttentionPlan(num_tokens=starts[-1], slots=meta.slot_mapping.long(), decode=decode, prefills=prefills)
     meta.backend_state[STATE_KEY] = plan
     return plan
 
 
-def _decode_mask(plan: DecodePlan, window: int | None) -> torch.Tensor | None:
-    if window not in plan.masks:
-        pos = plan.key_positions.unsqueeze(0)
-        lens = plan.seq_lens.unsqueeze(1)
-        valid = pos < lens
-        if window is not None:
-            valid &= pos >= lens - window
-        plan.masks[window] = valid[:, None, None, :]
-    return plan.masks[window]
+def _additive(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attended, -inf elsewhere: SDPA adds a float mask as it is,
+    while a boolean one is converted on every call."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
 
 
-def _prefill_mask(plan: PrefillPlan, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """[q, s] boolean (True = attend), or None for plain causal from 0."""
-    if window not in plan.masks:
+def _decode_mask(plan: DecodePlan, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """[B, 1, 1, L] additive mask, or None when nothing needs masking (one
+    sequence, no window: its keys are sliced to its length instead)."""
+    key = (window, dtype)
+    if key not in plan.masks:
+        if window is None and plan.length is not None:
+            plan.masks[key] = None
+        else:
+            pos = plan.key_positions.unsqueeze(0)
+            lens = plan.seq_lens.unsqueeze(1)
+            valid = pos < lens
+            if window is not None:
+                valid &= pos >= lens - window
+            plan.masks[key] = _additive(valid, dtype)[:, None, None, :]
+    return plan.masks[key]
+
+
+def _prefill_mask(plan: PrefillPlan, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """[q, s] additive mask, or None for plain causal attention from position 0."""
+    key = (window, dtype)
+    if key not in plan.masks:
         if plan.prefix_len == 0 and window is None:
-            plan.masks[window] = None
+            plan.masks[key] = None
         else:
             q_pos = torch.arange(plan.prefix_len, plan.seq_len, device=device).unsqueeze(1)
             k_pos = torch.arange(plan.seq_len, device=device).unsqueeze(0)
-            mask = k_pos <= q_pos
+            valid = k_pos <= q_pos
             if window is not None:
-                mask &= k_pos > q_pos - window
-            plan.masks[window] = mask
-    return plan.masks[window]
+                valid &= k_pos > q_pos - window
+            plan.masks[key] = _additive(valid, dtype)
+    return plan.masks[key]
 
 
 def _attend(
@@ -151,16 +167,17 @@ def _attend(
     scale: float,
     logit_cap: float | None,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale [capped], masked) v over the last two dims."""
+    """softmax(q k^T * scale [capped] + mask) v over the last two dims;
+    ``is_causal`` (with no mask): query i sees keys 0..i."""
     if logit_cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = logit_cap * torch.tanh(scores / logit_cap)
     if mask is None and is_causal:
         lq, lk = scores.shape[-2], scores.shape[-1]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq), float("-inf"))
+    elif mask is not None:
+        scores = scores + mask.float()
     return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
@@ -185,7 +202,7 @@ def attention(
     if plan is None:
         plan = build_plan(meta)
     k_pages, v_pages = kv_cache
-    slots = meta.slot_mapping.long()
+    slots = plan.slots
     _write_pages(k_pages, k, slots)
     if v_pages is None:  # V shares K's cache (MLA-style): V is read from the K pages
         v_pages = k_pages
@@ -221,7 +238,7 @@ def attention(
         if group > 1:
             ki = ki.repeat_interleave(group, 0)
             vi = vi.repeat_interleave(group, 0)
-        mask = _prefill_mask(p, window, q.device)
+        mask = _prefill_mask(p, window, q.dtype, q.device)
         oi = _attend(qi, ki, vi, mask, True, scale, logit_cap)
         out[p.start : p.end] = oi.transpose(0, 1)
     return out
@@ -245,7 +262,10 @@ def _decode(
     values = v_pages.index_select(0, plan.page_index).view(b, length, num_kv_heads, v_pages.shape[3]).transpose(1, 2)
     if keys.dtype != q.dtype:
         keys, values = keys.to(q.dtype), values.to(q.dtype)
+    mask = _decode_mask(plan, window, q.dtype)
+    if mask is None:  # one sequence: its keys, not the padded pages
+        keys, values = keys[:, :, : plan.length], values[:, :, : plan.length]
     # the `group` query heads sharing a KV head become `group` query rows
     qg = q.reshape(b, num_kv_heads, group, head_dim)
-    out = _attend(qg, keys, values, _decode_mask(plan, window), False, scale, logit_cap)
+    out = _attend(qg, keys, values, mask, False, scale, logit_cap)
     return out.reshape(b, num_heads, values.shape[-1])

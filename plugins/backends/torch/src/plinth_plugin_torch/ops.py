@@ -160,18 +160,39 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
         swapped = torch.cat((xr[..., half:], xr[..., :half]), -1)
     else:
         swapped = torch.stack((xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
-    out = xr * cos + swapped * sin
+    out = torch.addcmul(xr * cos, swapped, sin)
     if rd < x.shape[-1]:
         out = torch.cat((out, x[..., rd:]), -1)
     return out.flatten(1) if flat else out
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [T, Hq + Hkv, D] view when k's heads follow q's in
+    memory (as when both are views of one fused qkv projection), so one
+    rotation covers both; None otherwise."""
+    if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return None
+    d = q.shape[2]
+    if q.stride()[1:] != (d, 1) or k.stride() != q.stride():
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * d * q.element_size():
+        return None
+    if q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], d), q.stride())
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, is_neox: bool):
     """Rotary position embedding of q [T, Hq, D] and k [T, Hkv, D] (or flat
     [T, H * D] when D is the rotary dim). cos_sin: [max_pos, rotary_dim], the
     cos half then the sin half; the first rotary_dim features of each head
-    rotate, in halves (neox) or in even/odd pairs (GPT-J)."""
+    rotate, in halves (neox) or in even/odd pairs (GPT-J). Returns new
+    tensors (the inputs are not modified)."""
     cos, sin = _rotary_factors(positions, cos_sin, q.dtype, is_neox)
+    joint = _adjacent_heads(q, k)
+    if joint is not None:
+        out = _rotate(joint, cos, sin, is_neox)
+        return out[:, : q.shape[1]], out[:, q.shape[1] :]
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
 
 
