@@ -156,9 +156,7 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     tokenizer = loader.load_tokenizer(source)
     load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress)
     model = loader.load_model(source, model_cfg, load_ctx)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        b.numel() * b.element_size() for b in model.buffers()
-    )
+    weight_bytes = model.weight_bytes()
 
     page_bytes = kv_page_bytes(model_cfg, config.page_size, dtype, config.tp)
     # never more pages than every sequence at full length could use
