@@ -73,7 +73,7 @@ class BigramRunner:
 
     def execute(self, batch: Any, rows: Any) -> torch.Tensor:
         toks: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=False):
             c = seq.num_computed
             toks.extend(seq.token_ids[c : c + n])
         self.steps += 1
@@ -133,7 +133,8 @@ class ServerThread:
     def __init__(self, app: Any) -> None:
         import uvicorn
 
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP: asyncio then sets TCP_NODELAY on accepted connections
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -141,7 +142,7 @@ class ServerThread:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

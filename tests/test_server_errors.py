@@ -6,6 +6,7 @@ KV page is held."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -109,6 +110,9 @@ CASES = [
     ("tag-bad-schema", CHAT, chat(response_format={"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {"type": "nonsense"}, "end": "</f>"}], "triggers": ["<f"]}), 400, "invalid_json_schema", None),
     # other values out of range
     ("temperature-negative", CHAT, chat(temperature=-1), 400, None, "temperature"),
+    ("temperature-beyond-float32", CHAT, chat(temperature=1e308), 400, None, "temperature"),
+    ("temperature-infinite", CHAT, b'{"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}', 400, None, "temperature"),
+    ("repetition-penalty-beyond-float32", CMPL, cmpl(repetition_penalty=1e300), 400, None, "repetition_penalty"),
     ("top-p-zero", CHAT, chat(top_p=0), 400, None, "top_p"),
     ("top-k-zero", CMPL, cmpl(top_k=0), 400, None, "top_k"),
     ("presence-penalty", CHAT, chat(presence_penalty=5), 400, None, "presence_penalty"),
@@ -295,3 +299,53 @@ def test_full_queue_503():
             assert httpx.post(s.url + CHAT, json=chat()).status_code == 200
     finally:
         engine.shutdown()
+
+
+ODD_VALUES = [None, -1, 0, 2, 1.5, 1e308, -1e308, 10**30, "", "x", "\u0000", [], [1], ["a", None], {}, {"a": 1}, True]
+FUZZ_BODIES = {
+    CHAT: chat(
+        temperature=0.5, top_p=0.9, top_k=5, min_p=0.0, n=1, seed=1, stop=["\n"], stop_token_ids=[1], presence_penalty=0.1,
+        frequency_penalty=0.1, repetition_penalty=1.1, ignore_eos=False, min_tokens=0, logprobs=True, top_logprobs=1,
+        response_format={"type": "text"}, stream=False, stream_options={"include_usage": True}, user="u",
+        max_completion_tokens=2, chat_template_kwargs={}, add_generation_prompt=True, skip_special_tokens=True,
+        include_stop_str_in_output=False, tools=[], guided_regex="a+",
+    ),
+    CMPL: cmpl(echo=False, logprobs=1, best_of=1, suffix=None, logit_bias={}, guided_json={"type": "object"}),
+    MSG: msg(system="s", stop_sequences=["\n"], temperature=0.5, top_p=0.9, top_k=5, metadata={}, stream=False),
+}
+
+
+def test_fuzzed_fields_never_500(engine, caplog):
+    """Every field of a valid request set to odd values: answers are 200 or
+    4xx, and no value the server lets through breaks the sampler (a NaN
+    distribution would sample tokens the grammar forbids)."""
+    statuses: dict[int, int] = {}
+    with serve(engine, names=[MODEL]) as srv, httpx.Client(timeout=60) as client:
+        _fuzz(srv, client, statuses)
+        assert client.get(srv.url + "/health").status_code == 200
+    assert statuses.get(200) and statuses.get(400)
+    assert "grammar rejected" not in caplog.text
+
+
+def _fuzz(srv, client: httpx.Client, statuses: dict[int, int]) -> None:
+    for path, valid in FUZZ_BODIES.items():
+        for field in list(valid) + ["messages.0.content", "messages.0"]:
+            for value in ODD_VALUES:
+                body = json.loads(json.dumps(valid))
+                if field.startswith("messages.") and "messages" in body:
+                    if field == "messages.0":
+                        body["messages"][0] = value
+                    else:
+                        body["messages"][0]["content"] = value
+                elif field.startswith("messages."):
+                    continue
+                else:
+                    body[field] = value
+                body["stream"] = False if field != "stream" else value
+                if field not in ("max_tokens", "max_completion_tokens", "n"):
+                    body["max_tokens"] = body.get("max_tokens") if path == MSG else 2
+                resp = client.post(srv.url + path, json=body)
+                statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
+                assert resp.status_code < 500, (path, field, value, resp.text)
+                if resp.status_code >= 400:
+                    check_error(resp, path, resp.status_code)

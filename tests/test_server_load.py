@@ -123,3 +123,15 @@ def test_disconnect_while_waiting_for_a_full_answer(srv):
         httpx.post(srv.url + "/v1/chat/completions", json=_long_request(srv), timeout=1.0)
     assert free_pages_back(engine, baseline, timeout=10), engine.stats()
     assert wait_for(lambda: _aborted(srv.url) == aborted + 1, 5)
+
+
+def test_kept_alive_connections_answer_at_once(srv):
+    """TCP_NODELAY on accepted connections: without it, every answer after the
+    first on a kept-alive connection waits ~40 ms for a delayed ACK."""
+    with httpx.Client() as client:
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            assert client.get(srv.url + "/health").status_code == 200
+            times.append(time.perf_counter() - t0)
+    assert sorted(times)[3] < 0.025, times

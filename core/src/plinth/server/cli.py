@@ -63,7 +63,10 @@ def _listen(host: str, port: int) -> socket.socket:
     except socket.gaierror as exc:
         raise ConfigError(f"cannot resolve --host {host!r}: {exc}") from None
     family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only
+    # when it is, and without it every answer on a kept-alive connection waits
+    # ~40 ms for the client's delayed ACK (Nagle)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)

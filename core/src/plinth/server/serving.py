@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import time
 import uuid
@@ -25,6 +26,7 @@ from plinth.server.errors import APIError, engine_exception
 from plinth.server.metrics import RequestTracker, ServerMetrics
 
 T = TypeVar("T")
+FLOAT32_MAX = 3.0e38
 
 
 @dataclass
@@ -167,6 +169,10 @@ class ServingContext:
 
     def sampling_params(self, **kwargs: Any) -> SamplingParams:
         clean = {k: v for k, v in kwargs.items() if v is not None}
+        for k, v in clean.items():
+            # the sampler computes in float32: 1e308 would become inf there, and NaN after
+            if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+                raise APIError.bad_request(f"{k} must be a finite number (|x| <= {FLOAT32_MAX:.1e}), got {v}", param=k)
         try:
             return SamplingParams(**clean)
         except RequestError as exc:
