@@ -31,6 +31,18 @@ def test_entry_point_module_does_not_import_torch():
     assert out.strip() == "False"
 
 
+@pytest.mark.parametrize("rows", [1, 3, 200])  # 200 x 96 x 4 > the small-input path's limit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_paths_agree(dtype, rows):
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(rows, 4, 96, generator=g) * 0.01).to(dtype)  # small values: eps matters
+    w = torch.randn(96, generator=g).to(dtype)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    out = ops.rms_norm(x, w, 1e-4)
+    assert out.is_contiguous() and out.shape == x.shape
+    torch.testing.assert_close(out.double(), ref.rms_norm(x, w, 1e-4), **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_fused_residual(dtype):
     g = torch.Generator().manual_seed(0)
@@ -209,6 +221,7 @@ def test_ops_under_inference_mode():
         q, k = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
         q1, _ = ops.rotary(q, k, positions, cos_sin, True)
         positions.copy_(torch.tensor([4, 10]))  # a refilled buffer: must not reuse stale rows
+        ops.new_step()  # (prepare_attention marks the next step)
         q2, _ = ops.rotary(q, k, positions, cos_sin, True)
         torch.testing.assert_close(q2.double(), ref.rotary(q, positions, inv_freq, 16, True), atol=1e-4, rtol=1e-4)
         assert not torch.allclose(q1, q2)

@@ -71,6 +71,9 @@ class AttentionPlan:
 
 def prepare_attention(meta: AttentionMetadata) -> None:
     """Once per step, before the layers: build the plan every layer reuses."""
+    from plinth_plugin_torch.ops import new_step
+
+    new_step()
     build_plan(meta)
 
 

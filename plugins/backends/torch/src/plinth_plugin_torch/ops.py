@@ -17,13 +17,38 @@ from plinth.api import QuantizedWeight
 # ---- rms_norm ------------------------------------------------------------------
 
 
+#: inputs up to this many elements (decode-sized) take the layer_norm route on CPU
+_SMALL_NORM = 1 << 16
+_DOUBLED_ATTR = "_plinth_rms_weight_doubled"
+
+
+def _rms_norm_small_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm as one fused layer_norm kernel: over [x, -x] the mean is 0
+    and the variance is mean(x^2), so layer_norm's first half is x / rms(x).
+    On CPU, F.rms_norm runs as ~10 separate kernels, and for the few rows of
+    a decode step their dispatch costs more than the arithmetic."""
+    d = x.shape[-1]
+    doubled = weight.__dict__.get(_DOUBLED_ATTR)
+    if doubled is None:
+        doubled = torch.cat((weight, torch.zeros_like(weight)))
+        weight.__dict__[_DOUBLED_ATTR] = doubled
+    y = F.layer_norm(torch.cat((x, x.neg()), -1), (2 * d,), doubled, None, eps)[..., :d]
+    return y.contiguous()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if weight is not None and x.numel() <= _SMALL_NORM and x.device.type == "cpu" and weight.dtype == x.dtype:
+        return _rms_norm_small_cpu(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None):
     """y = x / rms(x) * weight; with ``residual``, first x = x + residual and
     return (y, x) so the caller keeps the summed stream for the next block."""
     if residual is not None:
         x = x + residual
-        return F.rms_norm(x, (x.shape[-1],), weight, eps), x
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return _rms_norm(x, weight, eps), x
+    return _rms_norm(x, weight, eps)
 
 
 # ---- linear --------------------------------------------------------------------
@@ -112,40 +137,47 @@ def _full_tables(cos_sin: torch.Tensor, dtype: torch.dtype, is_neox: bool) -> tu
 
 
 class _RotaryMemo:
-    """The last step's cos/sin rows: every layer rotates with the same
+    """The last cos/sin rows gathered: every layer rotates with the same
     ``positions`` tensor, so the rows are gathered once per step. Keyed by
-    identity and version, so a positions buffer refilled in place is noticed
-    (inference-mode tensors have no version: those are gathered every call)."""
+    identity plus, so that a positions buffer refilled in place is noticed,
+    the tensor's version or (inference-mode tensors keep no version) the
+    step count that prepare_attention advances."""
 
-    __slots__ = ("positions", "version", "table", "dtype", "is_neox", "cos", "sin")
+    __slots__ = ("positions", "version", "step", "table", "dtype", "is_neox", "cos", "sin")
 
     def __init__(self) -> None:
         self.positions = self.version = self.table = self.dtype = self.is_neox = self.cos = self.sin = None
+        self.step = -1
 
 
 _rotary_memo = _RotaryMemo()
+_step = 0  # advanced by prepare_attention, once per forward step
+
+
+def new_step() -> None:
+    """Called once per step (by prepare_attention): per-step memos expire."""
+    global _step
+    _step += 1
 
 
 def _rotary_factors(positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype, is_neox: bool):
     m = _rotary_memo
     version = _version(positions)
     if (
-        version is not None
-        and m.positions is positions
-        and m.version == version
+        m.positions is positions
         and m.table is cos_sin
         and m.dtype == dtype
         and m.is_neox == is_neox
+        and (m.version == version if version is not None else (m.step == _step and _step > 0))
     ):
         return m.cos, m.sin
     cos_full, sin_signed = _full_tables(cos_sin, dtype, is_neox)
     index = positions.reshape(-1)
     cos = cos_full.index_select(0, index).unsqueeze(1)  # [T, 1, rotary_dim]
     sin = sin_signed.index_select(0, index).unsqueeze(1)
-    if version is not None:
-        m.positions, m.version, m.table, m.dtype, m.is_neox, m.cos, m.sin = (
-            positions, version, cos_sin, dtype, is_neox, cos, sin
-        )
+    m.positions, m.version, m.step, m.table, m.dtype, m.is_neox, m.cos, m.sin = (
+        positions, version, _step, cos_sin, dtype, is_neox, cos, sin
+    )
     return cos, sin
 
 
