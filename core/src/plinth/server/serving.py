@@ -12,7 +12,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -38,7 +38,6 @@ class ServerSettings:
     max_request_body_bytes: int = 16 << 20
     enable_metrics: bool = True
     retry_after_s: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class ClientDisconnected(Exception):
@@ -227,7 +226,7 @@ class ServingContext:
             await gen.aclose()
             err = engine_exception(exc)
             if err.status == 503:
-                err.headers.setdefault("Retry-After", str(self.settings.retry_after_s))
+                err.headers["Retry-After"] = str(self.settings.retry_after_s)
             raise err
         return Generation(gen, first, self.tracker())
 
