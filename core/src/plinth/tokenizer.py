@@ -223,15 +223,14 @@ class Tokenizer:
                 bos_id = _as_list(extra.get("bos_token_id"))[0]
         eos_ids.extend(_end_of_turn_ids(backend, template))
 
-        model = json.loads(backend.to_str()).get("model", {})
-        vocab_type, prefix_space = _vocab_type(backend)
+        vocab_type, prefix_space = _vocab_type(json.loads(backend.to_str()))
         return cls(
             backend,
             bos_token_id=bos_id,
             eos_token_ids=eos_ids,
             chat_template=template,
             special_tokens=special,
-            vocab_type=vocab_type if model.get("type") != "WordPiece" else "raw",
+            vocab_type=vocab_type,
             add_prefix_space=prefix_space,
             name=folder.name,
         )
@@ -432,9 +431,8 @@ def _end_of_turn_ids(backend: Any, template: str | None) -> list[int]:
     return ids
 
 
-def _vocab_type(backend: Any) -> tuple[str, bool]:
+def _vocab_type(spec: Mapping[str, Any]) -> tuple[str, bool]:
     """(xgrammar vocab type, add_prefix_space) from a tokenizer's JSON form."""
-    spec = json.loads(backend.to_str())
     model = spec.get("model") or {}
 
     def kinds(node: Any) -> list[dict[str, Any]]:
