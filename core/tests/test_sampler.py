@@ -102,3 +102,28 @@ def test_invalid_params_are_refused(bad):
 
     with pytest.raises(RequestError):
         SamplingParams(**bad)
+
+
+class _AllowOnly:
+    def __init__(self, allowed):
+        self.allowed = allowed
+
+    def mask_logits(self, row):
+        keep = row[self.allowed].clone()
+        row.fill_(float("-inf"))
+        row[self.allowed] = keep
+
+
+def test_grammar_beats_min_tokens_ban_and_nothing_is_nan():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    # the grammar allows only token 0, which min_tokens bans: the grammar wins
+    row = _row(SamplingParams(temperature=0.8, seed=1), make_generator(1), grammar=_AllowOnly([0]), banned=[0])
+    assert Sampler()(logits, [row])[0] == [0]
+    # a grammar allowing nothing: the model's own choice, never a NaN draw
+    row = _row(SamplingParams(temperature=0), grammar=_AllowOnly([]))
+    assert Sampler()(logits, [row])[0] == [2]
+
+
+def test_tiny_temperature_is_greedy():
+    logits = torch.tensor([[1.0, 50.0, 3.0]])
+    assert Sampler()(logits, [_row(SamplingParams(temperature=1e-9))])[0] == [1]

@@ -256,7 +256,9 @@ class LLMEngine:
             seq.cumulative_logprob += lp.logprob
         p = seq.params
         if seq.grammar is not None and not seq.grammar.accept(token):
-            log.warning("request %s: grammar rejected token %d", req.request_id, token)
+            # only when no token was allowed at all; more text could not parse
+            log.warning("request %s: the grammar rejected token %d; ending the sequence", req.request_id, token)
+            return self._finish(seq, "stop", "grammar")
         can_stop = seq.num_output_tokens > p.min_tokens or p.min_tokens == 0
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop", token)

@@ -121,6 +121,7 @@ class Sampler:
         pen = [i for i in range(n) if rows[i].params.needs_penalties]
         gram = [i for i in range(n) if rows[i].grammar is not None]
         banned = [i for i in range(n) if rows[i].banned]
+        raw = logits
         if pen or gram or banned:
             logits = logits.clone()
         if pen:
@@ -129,6 +130,16 @@ class Sampler:
             logits[i, [t for t in rows[i].banned if t < logits.shape[-1]]] = float("-inf")
         if gram:
             _apply_grammar(logits, rows, gram)
+        if banned or gram:
+            # a row with nothing left: the grammar beats min_tokens; with no
+            # grammar-allowed token at all, fall back to the model's own choice
+            dead = (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist()
+            for i in dead:
+                logits[i] = raw[i]
+                if rows[i].grammar is not None:
+                    rows[i].grammar.mask_logits(logits[i])
+                if not torch.isfinite(logits[i]).any():
+                    logits[i] = raw[i]
 
         tokens = logits.argmax(dim=-1)
         rand = [i for i in range(n) if not rows[i].params.greedy]

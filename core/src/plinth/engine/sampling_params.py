@@ -33,7 +33,7 @@ class SamplingParams:
     #: structured output: {"type": "json_schema", "schema": {...}} | {"type": "json_object"} |
     #: {"type": "regex", "pattern": ...} | {"type": "structural_tag", ...}; compiled by the server
     guided: dict[str, Any] | None = None
-    #: set by the engine from ``guided``: an object with the grammar-matcher API
+    #: a plinth.engine.grammar.GrammarState, compiled from ``guided`` by the server
     grammar: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,7 +74,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # below 1e-5, dividing logits by the temperature overflows: it is greedy
+        return self.temperature < 1e-5 or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:
