@@ -195,14 +195,40 @@ def bench_args(args: argparse.Namespace, url: str, model: str, tokenizer: str, c
     ]
 
 
-def run_bench(cmd: list[str]) -> dict:
+def _busy_jiffies() -> int:
+    """All CPUs' busy time (user, nice, system, irq, softirq, steal) from /proc/stat, in clock ticks."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return f[0] + f[1] + f[2] + f[5] + f[6] + (f[7] if len(f) > 7 else 0)
+
+
+def _proc_jiffies(pid: int) -> int:
+    """utime + stime of one process (all its threads)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def run_bench(cmd: list[str], server_pid: int) -> dict:
+    """One `platform bench serve` run, and the CPU the server, the client and everything else used meanwhile."""
     la = loadavg()
     if la > 1.5:
         log(f"warning: load average {la:.2f} before this run: other work on the machine skews it")
     log(shlex.join(cmd))
+    srv0 = _proc_jiffies(server_pid)
     subprocess.run(cmd, check=True)
+    srv1 = _proc_jiffies(server_pid)
     res = json.loads(Path(cmd[cmd.index("--save-result") + 1]).read_text())
     res["loadavg_before"] = la
+    # average cores over the measured window; the server is idle outside it but for the one test request
+    dur = res["duration"]
+    res["cores_server"] = (srv1 - srv0) / os.sysconf("SC_CLK_TCK") / dur
+    res["cores_client"] = res.get("client_cpu_cores") or 0.0
+    busy = res.get("machine_busy_cores")
+    res["cores_other"] = max(0.0, busy - res["cores_server"] - res["cores_client"]) if busy is not None else float("nan")
+    if res["cores_other"] > 0.2:
+        log(f"warning: other processes used {res['cores_other']:.2f} cores on average during this run")
     return res
 
 
@@ -226,12 +252,20 @@ print(json.dumps({"duration": dt, "total_output_tokens": sum(len(o.outputs[0].to
 def run_offline(prompts: list[str], output_lens: list[int], max_num_seqs: int, warmup: list[str]) -> dict:
     la = loadavg()
     log(f"offline engine: {len(prompts)} prompts, max_num_seqs {max_num_seqs} (load average {la:.2f})")
+    import resource
+
     spec = json.dumps({"prompts": prompts, "output_lens": output_lens, "max_num_seqs": max_num_seqs,
                        "warmup": warmup})
+    hz = os.sysconf("SC_CLK_TCK")
+    busy0, ru0, t0 = _busy_jiffies(), resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
     out = subprocess.run([sys.executable, "-c", OFFLINE_CODE, spec], check=True, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    busy1, ru1 = _busy_jiffies(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    mine = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     res["output_throughput"] = res["total_output_tokens"] / res["duration"]
     res["loadavg_before"] = la
+    res["cores_other"] = max(0.0, (busy1 - busy0) / hz - mine) / wall  # over the whole child, loading included
     return res
 
 
@@ -352,7 +386,10 @@ def section(args: argparse.Namespace, results: dict, offline: dict | None, concs
     L.append(f"Measured {started} on {info['cpu']} ({info['cores']} cores, {info['memory']}), Python "
              f"{info['python']}, torch {info['torch']}, transformers {info['transformers']}, plinth-core "
              f"{info['plinth-core']}; the whole run took {elapsed / 60:.0f} minutes. transformers serve ran with "
-             f"`--continuous-batching {' '.join(TRANSFORMERS_CB_ARGS)}` (its CPU defaults were slower).")
+             f"`--continuous-batching {' '.join(TRANSFORMERS_CB_ARGS)}`: with its CPU defaults (pages of 256, "
+             f"max_batch_tokens 8192) it was several times slower in our trials. The machine is shared: the last "
+             f"column is the average number of cores the server, the benchmark client and all other processes "
+             f"used during each run (from /proc); a run with other work above about 0.2 cores is skewed.")
     L.append("")
     L.append("Reproduce:")
     L.append("")
@@ -361,7 +398,7 @@ def section(args: argparse.Namespace, results: dict, offline: dict | None, concs
     L.append("```")
     L.append("")
     L.append("| server | concurrency | completed / failed | output tok/s | total tok/s | median TTFT ms | p99 TTFT ms "
-             "| median TPOT ms | median ITL ms | median E2EL ms | load avg before |")
+             "| median TPOT ms | median ITL ms | median E2EL ms | cores: server / client / other |")
     L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in ("plinth", "transformers"):
         for c in concs:
@@ -371,7 +408,7 @@ def section(args: argparse.Namespace, results: dict, offline: dict | None, concs
             L.append(f"| {name} | {c} | {r['completed']} / {r['failed']} | {fmt(r['output_throughput'])} | "
                      f"{fmt(r['total_token_throughput'])} | {fmt(r['median_ttft_ms'], 0)} | {fmt(r['p99_ttft_ms'], 0)} | "
                      f"{fmt(r['median_tpot_ms'])} | {fmt(r['median_itl_ms'])} | {fmt(r['median_e2el_ms'], 0)} | "
-                     f"{r['loadavg_before']:.2f} |")
+                     f"{r['cores_server']:.2f} / {r['cores_client']:.2f} / {r['cores_other']:.2f} |")
     L.append("")
     if "plinth" in results and "transformers" in results:
         L.append("Ratios, plinth / transformers (throughput: higher is better for plinth above 1; TTFT: below 1):")
@@ -401,7 +438,8 @@ def section(args: argparse.Namespace, results: dict, offline: dict | None, concs
                  f".generate`) on the same {offline['num_prompts']} prompts and lengths made "
                  f"{fmt(offline['output_throughput'])} output tok/s ({offline['duration']:.1f} s); the server at "
                  f"concurrency {max(concs)} made {fmt(s['output_throughput'])} tok/s: overhead "
-                 f"{overhead * 100:.1f}% (target under 15%: **{'met' if overhead < 0.15 else 'not met'}**).")
+                 f"{overhead * 100:.1f}% (target under 15%: **{'met' if overhead < 0.15 else 'not met'}**). Other "
+                 f"processes used {offline['cores_other']:.2f} cores on average during the offline run.")
         L.append("")
     L.append(f"![serving comparison]({DOC_PLOT.name})")
     L.append("")
@@ -486,7 +524,8 @@ def main() -> int:
                         model = json.load(r)["data"][0]["id"]
                 results[name] = {}
                 for c in concs:
-                    res = run_bench(bench_args(args, url, model, tokenizer, c, out_dir / f"{name}-c{c}", extra))
+                    res = run_bench(bench_args(args, url, model, tokenizer, c, out_dir / f"{name}-c{c}", extra),
+                                    proc.pid)
                     results[name][c] = res
                     log(f"{name} c={c}: {res['output_throughput']:.1f} output tok/s, median TTFT "
                         f"{res['median_ttft_ms']:.0f} ms, failed {res['failed']}")

@@ -184,6 +184,7 @@ def test_metrics_match_the_servers_delays(fake_server, tmp_path):
         for stat in ("mean", "median", "std", "p99"):
             assert f"{stat}_{metric}_ms" in saved
     assert len(saved["itls"]) == 4 and all(len(x) == 5 for x in saved["itls"])
+    assert saved["client_cpu_cores"] >= 0 and (saved["machine_busy_cores"] is None or saved["machine_busy_cores"] >= 0)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

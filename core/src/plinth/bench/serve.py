@@ -879,16 +879,33 @@ async def benchmark(cfg: BenchConfig, requests: list[SampleRequest], model: str,
             bar.update(1)
             return out
 
+        busy0, own0 = _busy_seconds(), time.process_time()
         t0 = time.perf_counter()
         tasks = []
         async for i in _arrivals(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed):
             tasks.append(asyncio.create_task(one(i, t0)))
         outputs = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
+        busy1, own1 = _busy_seconds(), time.process_time()
         bar.close()
     finally:
         await client.aclose()
-    return build_result(cfg, model, counter_name, outputs, duration), outputs
+    res = build_result(cfg, model, counter_name, outputs, duration)
+    # CPU over the measured window: this client's own, and the whole machine's (Linux /proc/stat; None elsewhere).
+    # On a shared machine the difference from the server's own use shows other work that skewed the run.
+    res["client_cpu_cores"] = (own1 - own0) / duration if duration > 0 else None
+    res["machine_busy_cores"] = (busy1 - busy0) / duration if busy0 is not None and busy1 is not None and duration > 0 else None
+    return res, outputs
+
+
+def _busy_seconds() -> float | None:
+    """CPU-seconds all CPUs spent busy since boot (user, nice, system, irq, softirq, steal), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
