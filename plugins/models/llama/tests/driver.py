@@ -110,15 +110,15 @@ class PagedDriver:
         input_ids, meta = self.build(seqs, counts)
         self.ops.prepare_attention(meta)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
-        out = []
-        start = 0
+        ends = [int(meta.query_start_loc[i + 1]) for i in range(len(seqs))]
         for seq, n in zip(seqs, counts):
-            rows = hidden[start : start + n] if all_logits else hidden[start + n - 1 : start + n]
-            logits = self.model.compute_logits(rows)
-            out.append(logits if all_logits else logits[0])
             seq.computed += n
-            start += n
-        return out
+        if all_logits:
+            logits = self.model.compute_logits(hidden)
+            return [logits[end - n : end] for end, n in zip(ends, counts)]
+        # one output-head matmul for the batch's last rows
+        last = hidden.index_select(0, torch.tensor([end - 1 for end in ends], device=hidden.device))
+        return list(self.model.compute_logits(last))
 
     # ---- whole runs ------------------------------------------------------------------------
 
