@@ -16,6 +16,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from plinth import __version__
+from plinth.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from plinth.errors import PlinthError
 from plinth.plugins import ALLOW_ENV, BLOCK_ENV, CATEGORIES, PluginRegistry, install_hint
 
@@ -58,7 +59,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: from --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB", help="memory for the KV pool")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, help="token budget of one step"
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV pages of shared prefixes"

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from plinth.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from plinth.plugins import PluginRegistry
 
 
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> 
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     parser.add_argument("--decode-steps", type=int, default=64, help="steps timed for the decode figures")
     parser.add_argument(
         "--peers",

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from plinth.engine.engine import LLMEngine
 from plinth.engine.outputs import RequestOutput
@@ -41,20 +41,37 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 4096) -> None:
-        self.engine = engine
+    """``engine`` is an ``LLMEngine`` or a function that builds one. Give the
+    function: it then runs on the engine thread, so the model is loaded and
+    stepped by the same thread. (libgomp keeps one OpenMP team per thread that
+    runs torch ops; loading on one thread and stepping on another leaves two
+    teams on the cores, and every op then sleeps and wakes instead of
+    spinning: measured 1.7x slower decode on 2 cores.)"""
+
+    def __init__(
+        self, engine: LLMEngine | Callable[[], LLMEngine], *, max_waiting_requests: int = 4096
+    ) -> None:
         self.max_waiting_requests = max_waiting_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
+        self._factory = engine if callable(engine) and not isinstance(engine, LLMEngine) else None
+        self.engine: LLMEngine = None if self._factory else engine  # type: ignore[assignment]
+        self._started = threading.Event()
+        self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="plinth-engine", daemon=True)
         self._thread.start()
+        self._started.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
 
     @classmethod
     def from_config(cls, config: Any, registry: Any = None) -> "AsyncLLM":
-        return cls(LLMEngine.from_config(config, registry), max_waiting_requests=config.max_waiting_requests)
+        return cls(
+            lambda: LLMEngine.from_config(config, registry), max_waiting_requests=config.max_waiting_requests
+        )
 
     # ---- what the server uses ---------------------------------------------------
 
@@ -161,6 +178,14 @@ class AsyncLLM:
                 self.engine.abort_request(msg[1])
 
     def _run(self) -> None:
+        if self._factory is not None:
+            try:
+                self.engine = self._factory()
+            except BaseException as exc:  # reported by the constructor
+                self._startup_error = exc
+                self._started.set()
+                return
+        self._started.set()
         while not self._stop:
             self._drain_inbox()
             if not self.engine.has_unfinished():

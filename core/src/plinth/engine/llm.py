@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Mapping, Sequence
 
-from plinth.engine.config import EngineConfig
+from plinth.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from plinth.engine.outputs import RequestOutput
 from plinth.engine.sampling_params import SamplingParams
 
@@ -30,7 +30,7 @@ class LLM:
         page_size: int = 16,
         num_pages: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_prefix_caching: bool = True,
         tp: int = 1,
         ep: int = 1,
