@@ -61,7 +61,14 @@ def _copy_pages(kv_caches, src, dst):
         v[dst] = v[src]
 
 
-TOY_OPS = SimpleNamespace(attention=_attention, prepare_attention=lambda meta: None, copy_pages=_copy_pages)
+def _allocate(num_pages, page_size, num_kv_heads, head_dim, v_head_dim, dtype, device):
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+TOY_OPS = SimpleNamespace(
+    attention=_attention, prepare_attention=lambda meta: None, copy_pages=_copy_pages, allocate_kv_cache=_allocate
+)
 
 
 class ToyModel(torch.nn.Module):

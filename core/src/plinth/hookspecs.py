@@ -298,13 +298,20 @@ class Accelerator(PluginImpl):
 #:   silu_and_mul(x) -> silu(x[..., :d]) * x[..., d:]
 #:   rotary(q, k, positions, cos_sin, is_neox) -> (q, k); cos_sin is the
 #:       model's [max_pos, rotary_dim] table (cos half, then sin half)
+#:   allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim,
+#:       v_head_dim, dtype, device) -> (k_pages, v_pages): one layer's paged
+#:       K/V storage, zeroed, in this backend's own layout (v_pages is None
+#:       when v_head_dim is 0: V shares K's pages, as in MLA). Only this
+#:       backend's attention and copy_pages look inside; the engine only
+#:       counts pages.
 #:   prepare_attention(meta) -> None: once per step, before the layers; may
 #:       stash per-step state in ``meta.backend_state``
 #:   attention(q, k, v, kv_cache, meta, *, scale, sliding_window=None,
 #:       logit_cap=None) -> out [T, Hq, Dv]; writes k, v [T, Hkv, D] into
-#:       kv_cache = (k_pages, v_pages), each [num_pages, page_size, Hkv, D],
-#:       at meta.slot_mapping, then attends causally over each sequence's pages
-#:   copy_pages(kv_caches, src, dst) -> None: copy whole pages (fork, n>1)
+#:       kv_cache = (k_pages, v_pages) at meta.slot_mapping (slot = page *
+#:       page_size + offset), then attends causally over each sequence's pages
+#:   copy_pages(kv_caches, src, dst) -> None: copy whole pages src[i] ->
+#:       dst[i] (int64 CPU tensors) in every layer (fork, n>1)
 #:   fused_moe(x, w13, w2, topk_weights, topk_ids) -> y (experts of this rank)
 OP_NAMES: tuple[str, ...] = (
     "rms_norm",
@@ -312,6 +319,7 @@ OP_NAMES: tuple[str, ...] = (
     "linear",
     "silu_and_mul",
     "rotary",
+    "allocate_kv_cache",
     "prepare_attention",
     "attention",
     "copy_pages",

@@ -41,11 +41,11 @@ class ModelRunner:
         self.page_size = page_size
         heads = max(1, cfg.num_kv_heads // tp)
         v_dim = cfg.head_dim if cfg.v_head_dim is None else cfg.v_head_dim
-        # zeros, not empty: padded attention reads must never meet NaN garbage
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor | None]] = [
-            (
-                torch.zeros(num_pages, page_size, heads, cfg.head_dim, dtype=dtype, device=device),
-                torch.zeros(num_pages, page_size, heads, v_dim, dtype=dtype, device=device) if v_dim else None,
+        # the backend's layout; the engine only counts pages
+        self.kv_caches: list[tuple[Any, Any]] = [
+            ops.allocate_kv_cache(
+                num_pages=num_pages, page_size=page_size, num_kv_heads=heads, head_dim=cfg.head_dim,
+                v_head_dim=v_dim, dtype=dtype, device=device,
             )
             for _ in range(cfg.num_layers)
         ]

@@ -59,8 +59,9 @@ class Components:
         }
 
 
-#: ops that only work together: taken from one backend or not at all
-OP_PAIRS = (("pack_linear", "linear"),)
+#: ops that only work together (a weight or KV layout they share): taken
+#: from one backend, all or none
+OP_GROUPS = (("pack_linear", "linear"), ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages"))
 
 
 def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[Any, dict[str, str]]:
@@ -77,10 +78,10 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
     unknown = set(ops) - set(OP_NAMES)
     if unknown:
         raise PluginError(f"backend {chosen.label()} provides unknown ops: {', '.join(sorted(unknown))}")
-    for pair in OP_PAIRS:
-        given = [op for op in pair if op in ops]
-        if given and len(given) != len(pair):
-            raise PluginError(f"backend {chosen.label()} must provide {' and '.join(pair)} together")
+    for group in OP_GROUPS:
+        given = [op for op in group if op in ops]
+        if given and len(given) != len(group):
+            raise PluginError(f"backend {chosen.label()} must provide {', '.join(group)} together")
     table.update(ops)
     sources.update({name: chosen.name for name in ops})
     missing = [op for op in OP_NAMES if op not in table]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from plinth.api import AttentionMetadata
-from plinth_plugin_torch.attention import attention, build_plan, prepare_attention
+from plinth_plugin_torch.attention import attention, build_plan, prepare_attention, token_major
 
 
 def make_batch(seqs, *, page_size, num_heads, num_kv_heads, head_dim, head_dim_v=None, dtype=torch.float32, seed=0):
@@ -23,8 +23,10 @@ def make_batch(seqs, *, page_size, num_heads, num_kv_heads, head_dim, head_dim_v
     pages_per_seq = [-(-(p + n) // page_size) for p, n in seqs]
     num_pages = sum(pages_per_seq) + 5
     order = torch.randperm(num_pages, generator=g).tolist()
-    k_pages = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=g).to(dtype)  # garbage elsewhere
-    v_pages = torch.randn(num_pages, page_size, num_kv_heads, head_dim_v, generator=g).to(dtype)
+    # the backend's layout, with garbage everywhere the sequences do not write
+    k_pages = torch.randn(num_kv_heads, num_pages, page_size, head_dim, generator=g).to(dtype)
+    v_pages = torch.randn(num_kv_heads, num_pages, page_size, head_dim_v, generator=g).to(dtype)
+    k_tokens, v_tokens = token_major(k_pages), token_major(v_pages)  # [page, offset, head, dim] views
     max_pages = max(pages_per_seq)
     block_tables = torch.zeros(len(seqs), max_pages, dtype=torch.int32)
     positions, slots, qs, ks, vs, histories = [], [], [], [], [], []
@@ -34,8 +36,8 @@ def make_batch(seqs, *, page_size, num_heads, num_kv_heads, head_dim, head_dim_v
         hist_k = torch.randn(prefix + n, num_kv_heads, head_dim, generator=g).to(dtype)
         hist_v = torch.randn(prefix + n, num_kv_heads, head_dim_v, generator=g).to(dtype)
         for pos in range(prefix):  # the cached prefix
-            k_pages[pages[pos // page_size], pos % page_size] = hist_k[pos]
-            v_pages[pages[pos // page_size], pos % page_size] = hist_v[pos]
+            k_tokens[pages[pos // page_size], pos % page_size] = hist_k[pos]
+            v_tokens[pages[pos // page_size], pos % page_size] = hist_v[pos]
         for pos in range(prefix, prefix + n):
             positions.append(pos)
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
@@ -88,7 +90,7 @@ def test_paged_attention_matches_dense(page_size, seqs, heads):
     assert out.shape == (q.shape[0], num_heads, 32)
     torch.testing.assert_close(out.double(), reference(meta, q, hist, scale), atol=1e-4, rtol=1e-4)
     # the new K/V landed at their slots
-    k_flat = cache[0].view(-1, num_kv, 32)
+    k_flat = token_major(cache[0]).reshape(-1, num_kv, 32)
     torch.testing.assert_close(k_flat[meta.slot_mapping], k)
 
 

@@ -172,15 +172,18 @@ def test_rotary_of_adjacent_q_and_k_views(is_neox):
 
 
 def test_copy_pages():
-    k = torch.randn(10, 4, 2, 8)
-    v = torch.randn(10, 4, 2, 8)
-    k0, v0 = k.clone(), v.clone()
+    from plinth_plugin_torch.attention import allocate_kv_cache, token_major
+
+    k, v = allocate_kv_cache(10, 4, 2, 8, 8, torch.float32, torch.device("cpu"))
+    k.normal_()
+    v.normal_()
+    k0, v0 = token_major(k).clone(), token_major(v).clone()
     ops.copy_pages([(k, v)], [1, 3], [7, 2])
-    torch.testing.assert_close(k[7], k0[1])
-    torch.testing.assert_close(v[2], v0[3])
-    torch.testing.assert_close(k[0], k0[0])
+    torch.testing.assert_close(token_major(k)[7], k0[1])
+    torch.testing.assert_close(token_major(v)[2], v0[3])
+    torch.testing.assert_close(token_major(k)[0], k0[0])
     ops.copy_pages([(k, v)], torch.tensor([0]), torch.tensor([9]))
-    torch.testing.assert_close(k[9], k0[0])
+    torch.testing.assert_close(token_major(k)[9], k0[0])
 
 
 def test_fused_moe_matches_per_token_loop():

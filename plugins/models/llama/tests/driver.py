@@ -56,9 +56,9 @@ class PagedDriver:
         num_pages = num_pages or -(-max_tokens // page_size) + 8
         v_dim = cfg.v_head_dim or cfg.head_dim
         self.kv_caches = [
-            (
-                torch.zeros(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=self.device),
-                torch.zeros(num_pages, page_size, cfg.num_kv_heads, v_dim, dtype=dtype, device=self.device),
+            ops.allocate_kv_cache(
+                num_pages=num_pages, page_size=page_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                v_head_dim=v_dim, dtype=dtype, device=self.device,
             )
             for _ in range(cfg.num_layers)
         ]

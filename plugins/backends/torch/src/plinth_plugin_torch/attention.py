@@ -3,8 +3,8 @@
 ``prepare_attention`` runs once per step and turns the batch metadata into a
 plan (stashed in ``meta.backend_state["torch"]``) that every layer reuses:
 
-* decode sequences (one query token each) are attended together with one
-  batched SDPA call over their gathered pages, padded to the longest, with a
+* decode sequences (one query token each) are attended together with two
+  batched matmuls over their gathered pages, padded to the longest, with a
   padding mask; grouped-query heads ride along as extra query rows of their
   KV head, so K/V are never repeated;
 * every other sequence (a prefill chunk, possibly with a cached prefix) gets
@@ -13,6 +13,11 @@ plan (stashed in ``meta.backend_state["torch"]``) that every layer reuses:
 
 Masks for a sliding window (and the logit soft cap path) are built on first
 use in a step and cached in the plan, so layers never rebuild them.
+
+KV layout: each layer's pages are one tensor ``[Hkv, num_pages, page_size,
+D]``, heads outermost. Gathering a batch's pages along dim 1 then gives
+``[Hkv, B, L, D]``, the layout the batched matmuls read, with no further copy
+(token-major pages cost one more full copy of K and V per layer).
 """
 
 from __future__ import annotations
@@ -129,7 +134,7 @@ def _additive(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _decode_mask(plan: DecodePlan, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """[B, 1, 1, L] additive mask, or None when nothing needs masking (one
+    """[1, B, 1, L] additive mask, or None when nothing needs masking (one
     sequence, no window: its keys are sliced to its length instead)."""
     key = (window, dtype)
     if key not in plan.masks:
@@ -141,7 +146,7 @@ def _decode_mask(plan: DecodePlan, window: int | None, dtype: torch.dtype) -> to
             valid = pos < lens
             if window is not None:
                 valid &= pos >= lens - window
-            plan.masks[key] = _additive(valid, dtype)[:, None, None, :]
+            plan.masks[key] = _additive(valid, dtype)[None, :, None, :]  # over [Hkv, B, G, L]
     return plan.masks[key]
 
 
@@ -161,31 +166,36 @@ def _prefill_mask(plan: PrefillPlan, window: int | None, dtype: torch.dtype, dev
     return plan.masks[key]
 
 
-def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float,
-    logit_cap: float | None,
-) -> torch.Tensor:
-    """softmax(q k^T * scale [capped] + mask) v over the last two dims;
-    ``is_causal`` (with no mask): query i sees keys 0..i."""
-    if logit_cap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = logit_cap * torch.tanh(scores / logit_cap)
-    if mask is None and is_causal:
-        lq, lk = scores.shape[-2], scores.shape[-1]
-        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq), float("-inf"))
-    elif mask is not None:
-        scores = scores + mask.float()
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+def allocate_kv_cache(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One layer's K and V pages, [Hkv, num_pages, page_size, D], zeroed
+    (padded reads must never meet NaN garbage)."""
+    k = torch.zeros(num_kv_heads, num_pages, page_size, head_dim, dtype=dtype, device=device)
+    v = torch.zeros(num_kv_heads, num_pages, page_size, v_head_dim, dtype=dtype, device=device) if v_head_dim else None
+    return k, v
+
+
+def token_major(pages: torch.Tensor) -> torch.Tensor:
+    """A writable [num_pages, page_size, Hkv, D] view of a layer's pages."""
+    return pages.permute(1, 2, 0, 3)
 
 
 def _write_pages(pages: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
-    pages.view(-1, *pages.shape[2:]).index_copy_(0, slots, x.to(pages.dtype))
+    heads, num_pages, page_size, dim = pages.shape
+    pages.view(heads, num_pages * page_size, dim).index_copy_(1, slots, x.transpose(0, 1).to(pages.dtype))
+
+
+def _gather(pages: torch.Tensor, page_index: torch.Tensor) -> torch.Tensor:
+    """[Hkv, len(page_index) * page_size, D]: those pages, in order."""
+    heads, _, page_size, dim = pages.shape
+    return pages.index_select(1, page_index).view(heads, -1, dim)
 
 
 def attention(
@@ -213,7 +223,7 @@ def attention(
         _write_pages(v_pages, v, slots)
 
     num_tokens, num_heads, _ = q.shape
-    num_kv_heads = k_pages.shape[2]
+    num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
     head_dim_v = v_pages.shape[-1]
     window = sliding_window if sliding_window and sliding_window > 0 else None
@@ -233,16 +243,29 @@ def attention(
     for p in plan.prefills:
         qi = q[p.start : p.end].transpose(0, 1)  # [Hq, q, D]
         if p.pages is None:
-            ki, vi = k[p.start : p.end], v[p.start : p.end]
+            ki, vi = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)  # [Hkv, s, D]
         else:
-            ki = k_pages.index_select(0, p.pages).flatten(0, 1)[: p.seq_len].to(q.dtype)
-            vi = v_pages.index_select(0, p.pages).flatten(0, 1)[: p.seq_len].to(q.dtype)
-        ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hkv, s, D]
-        if group > 1:
-            ki = ki.repeat_interleave(group, 0)
-            vi = vi.repeat_interleave(group, 0)
-        mask = _prefill_mask(p, window, q.dtype, q.device)
-        oi = _attend(qi, ki, vi, mask, True, scale, logit_cap)
+            ki = _gather(k_pages, p.pages)[:, : p.seq_len].to(q.dtype)
+            vi = _gather(v_pages, p.pages)[:, : p.seq_len].to(q.dtype)
+        mask = _prefill_mask(p, window, torch.float32, q.device)
+        if mask is None and logit_cap is None:  # causal from position 0: SDPA's fused kernel
+            if group > 1:
+                ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        else:  # a cached prefix or a window: CPU SDPA with a mask is slow, so two matmuls
+            qg = qi.reshape(num_kv_heads, group * p.query_len, qi.shape[-1])
+            ki, vi = ki.contiguous(), vi.contiguous()
+            scores = torch.matmul(qg, ki.transpose(-1, -2)).float() * scale
+            scores = scores.view(num_kv_heads, group, p.query_len, -1)
+            if logit_cap is not None:
+                scores = logit_cap * torch.tanh(scores / logit_cap)
+            if mask is not None:
+                scores = scores + mask
+            elif logit_cap is not None:  # causal from 0 on the capped path
+                lq, lk = scores.shape[-2], scores.shape[-1]
+                scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq), float("-inf"))
+            probs = scores.softmax(-1).to(vi.dtype).view(num_kv_heads, group * p.query_len, -1)
+            oi = torch.matmul(probs, vi).view(num_heads, p.query_len, -1)
         out[p.start : p.end] = oi.transpose(0, 1)
     return out
 
@@ -257,28 +280,24 @@ def _decode(
     logit_cap: float | None,
     group: int,
 ) -> torch.Tensor:
-    """One batched SDPA for B single-token queries over their padded pages."""
-    b, num_heads = plan.num_seqs, q.shape[1]
-    num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
-    length = plan.num_pages * k_pages.shape[1]
-    keys = k_pages.index_select(0, plan.page_index).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_pages.index_select(0, plan.page_index).view(b, length, num_kv_heads, v_pages.shape[3]).transpose(1, 2)
+    """B single-token queries over their gathered pages, padded to the
+    longest: two batched matmuls over [Hkv, B] (not SDPA: with a mask and a
+    few query rows CPU SDPA takes a path about 20x slower here)."""
+    b, num_heads, head_dim = plan.num_seqs, q.shape[1], q.shape[2]
+    num_kv_heads = k_pages.shape[0]
+    keys = _gather(k_pages, plan.page_index).view(num_kv_heads, b, -1, head_dim)  # [Hkv, B, L, D]
+    values = _gather(v_pages, plan.page_index).view(num_kv_heads, b, -1, v_pages.shape[-1])
     if keys.dtype != q.dtype:
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     mask = _decode_mask(plan, window, torch.float32)
     if mask is None:  # one sequence: its keys, not the padded pages
         keys, values = keys[:, :, : plan.length], values[:, :, : plan.length]
     # the `group` query heads sharing a KV head become `group` query rows
-    qg = q.reshape(b, num_kv_heads, group, head_dim)
-    # batched matmul on transposed views copies slowly inside; one explicit
-    # copy to [B, Hkv, L, D] is about 7x faster overall
-    keys, values = keys.contiguous(), values.contiguous()
-    # two batched matmuls, not SDPA: with a mask and a few query rows, CPU
-    # SDPA takes its slow path (about 20x slower at 32 x 160 keys here)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
+    qg = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Hkv, B, G, L]
     if logit_cap is not None:
         scores = logit_cap * torch.tanh(scores / logit_cap)
     if mask is not None:
         scores = scores + mask
-    out = torch.matmul(scores.softmax(-1).to(values.dtype), values)
-    return out.reshape(b, num_heads, values.shape[-1])
+    out = torch.matmul(scores.softmax(-1).to(values.dtype), values)  # [Hkv, B, G, Dv]
+    return out.transpose(0, 1).reshape(b, num_heads, values.shape[-1])

@@ -34,6 +34,7 @@ class TorchBackend(Backend):
             "linear": ops.linear,
             "silu_and_mul": ops.silu_and_mul,
             "rotary": ops.rotary,
+            "allocate_kv_cache": attention.allocate_kv_cache,
             "prepare_attention": attention.prepare_attention,
             "attention": attention.attention,
             "copy_pages": ops.copy_pages,

@@ -246,7 +246,7 @@ def copy_pages(kv_caches: Sequence[Any], src: Sequence[int] | torch.Tensor, dst:
             if pages is None:
                 continue
             s, d = _index(src, pages.device), _index(dst, pages.device)
-            pages.index_copy_(0, d, pages.index_select(0, s))
+            pages.index_copy_(1, d, pages.index_select(1, s))  # [Hkv, num_pages, page_size, D]
 
 
 # ---- MoE -----------------------------------------------------------------------------
