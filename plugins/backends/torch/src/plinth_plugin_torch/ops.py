@@ -55,7 +55,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
 
 
 def pack_linear(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
-    """The reference keeps weights as they are (the onednn backend, for one,
+    """The reference keeps weights as they are (the cpukernels backend, for one,
     repacks them into a blocked layout)."""
     return weight
 

@@ -7,9 +7,9 @@ from plinth.api import BackendDescriptor, hookimpl
 def plinth_register_backends():
     return [
         BackendDescriptor(
-            name="onednn",
-            impl="plinth_plugin_onednn.backend:OneDNNBackend",
+            name="cpukernels",
+            impl="plinth_plugin_cpukernels.backend:CPUKernelsBackend",
             priority=10,
-            description="oneDNN pre-packed GEMMs on CPUs; other ops from the reference",
+            description="CPU: oneDNN pre-packed GEMMs, C++ paged-decode attention; other ops from the reference",
         )
     ]

@@ -1,4 +1,4 @@
-"""The oneDNN linear against the reference F.linear: bit-identical results."""
+"""The oneDNN linear against the reference F.linear: bit-identical in bfloat16."""
 
 from types import SimpleNamespace
 
@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from plinth.api import SelectionContext
-from plinth_plugin_onednn.backend import OneDNNBackend, PackedLinear
+from plinth_plugin_cpukernels.backend import CPUKernelsBackend
+from plinth_plugin_cpukernels.gemm import PackedLinear
 
 
 def _ops():
-    return OneDNNBackend(SelectionContext(), {"pack_linear": lambda w: w, "linear": F.linear}).ops()
+    return CPUKernelsBackend(SelectionContext(), {"pack_linear": lambda w: w, "linear": F.linear}).ops()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -39,7 +40,7 @@ def test_unpacked_weights_take_the_reference_path():
         seen.append(w)
         return F.linear(x, w.float() if w.dtype == torch.float16 else w, bias)
 
-    ops = OneDNNBackend(SelectionContext(), {"pack_linear": lambda w: w, "linear": ref_linear}).ops()
+    ops = CPUKernelsBackend(SelectionContext(), {"pack_linear": lambda w: w, "linear": ref_linear}).ops()
     w16 = torch.randn(8, 4, dtype=torch.float16)  # not a dtype it packs
     packed = ops["pack_linear"](w16)
     assert packed is w16
@@ -49,6 +50,6 @@ def test_unpacked_weights_take_the_reference_path():
 
 def test_check_gives_reasons_off_cpu():
     gpu = SimpleNamespace(device_type="cuda")
-    reasons = OneDNNBackend.check(SelectionContext(accelerator=gpu, dtype=torch.float16))
+    reasons = CPUKernelsBackend.check(SelectionContext(accelerator=gpu, dtype=torch.float16))
     assert any("CPUs only" in r for r in reasons) and any("float16" in r for r in reasons)
-    assert OneDNNBackend.check(SelectionContext()) == []
+    assert CPUKernelsBackend.check(SelectionContext()) == []

@@ -1,1 +1,0 @@
-"""plinth backend plugin: oneDNN pre-packed linear layers for CPUs."""
