@@ -108,25 +108,10 @@ def machine() -> dict:
 
 def prepare_hf_folder(out: Path) -> None:
     """Run in a child process: GGUF -> a plain HF folder (float32 safetensors + tokenizer)."""
-    import copy
-
-    import torch
+    from plinth.bench.peers import gguf_to_hf_folder
     from plinth.engine.model_source import default_model_path
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = Path(default_model_path())
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    qmodel = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    cfg = copy.deepcopy(qmodel.config)
-    for attr in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(cfg, attr):
-            delattr(cfg, attr)
-    cfg.architectures = [type(qmodel).__name__]
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.load_state_dict(qmodel.state_dict(), strict=True)
-    model.generation_config = qmodel.generation_config
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    gguf_to_hf_folder(default_model_path(), out)
 
 
 # ---------------------------------------------------------------------------

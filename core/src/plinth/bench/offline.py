@@ -146,17 +146,22 @@ def flops_per_token(model: Any, dtype_bytes: int) -> float:
 # ---- transformers -------------------------------------------------------------------------
 
 
-def load_transformers(model_path: str, dtype_name: str) -> Any:
+def load_transformers(model_path: str, dtype_name: str, workdir: str) -> Any:
+    """transformers' own model on the same weights, as a plain bf16 model: a
+    GGUF is converted to an HF folder first (in a child process, to keep this
+    one's memory flat), since transformers would keep it quantized."""
     import os
+    import subprocess
 
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, dtype_name)
     if model_path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype
-        ).eval()
+        folder = os.path.join(workdir, "hf")
+        code = "import sys; from plinth.bench.peers import gguf_to_hf_folder; gguf_to_hf_folder(sys.argv[1], sys.argv[2])"
+        subprocess.run([sys.executable, "-c", code, model_path, folder], check=True)
+        model_path = folder
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
 
 
@@ -306,7 +311,10 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
 
     if "transformers" in peers:
         print("transformers: loading the same weights...", file=sys.stderr)
-        tmodel = load_transformers(model_path, args.dtype)
+        import tempfile
+
+        workdir = tempfile.mkdtemp(prefix="plinth-bench-")
+        tmodel = load_transformers(model_path, args.dtype, workdir)
         if "throughput" not in skip:
             print("transformers: continuous batching on the mixed workload...", file=sys.stderr)
             result["transformers_throughput"] = run_transformers_throughput(tmodel, work)
