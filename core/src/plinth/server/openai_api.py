@@ -184,24 +184,10 @@ class OpenAIServing:
         stops = _stop_list(req.stop)
         max_tokens = req.max_tokens if req.max_tokens is not None else ctx.default_max_tokens(max(len(i) for _, i in prompts))
         base = dict(
+            req.sampling_kwargs(stops),
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-            stop=stops,
-            stop_token_ids=req.stop_token_ids,
-            n=req.n,
-            ignore_eos=req.ignore_eos,
             logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            min_tokens=req.min_tokens,
-            skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output,
         )
         rid = random_id("cmpl-")
         gens: list[Generation] = []
@@ -381,23 +367,9 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = ctx.default_max_tokens(len(ids))
         params = ctx.sampling_params(
+            **req.sampling_kwargs(stops),
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-            stop=stops,
-            stop_token_ids=req.stop_token_ids,
-            n=req.n,
-            ignore_eos=req.ignore_eos,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            min_tokens=req.min_tokens,
-            skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output,
         )
         params.grammar = grammar
         rid = random_id("chatcmpl-")

@@ -71,6 +71,26 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     response_format: dict[str, Any] | None = None
 
+    def sampling_kwargs(self, stop: list[str]) -> dict[str, Any]:
+        """The SamplingParams fields both APIs take as they are."""
+        return dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            n=self.n,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
 
 # --------------------------------------------------------------------------
 # /v1/models
