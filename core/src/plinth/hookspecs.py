@@ -444,9 +444,11 @@ class CausalLM:
     forward(input_ids [T], positions [T], kv_caches: list per layer of
     (k_pages, v_pages), meta: AttentionMetadata) -> hidden [T, hidden_size]
     compute_logits(hidden [N, hidden_size]) -> logits [N, vocab] in float32
-    weight_bytes() -> int: bytes its weights take on the device, each shared
-        tensor counted once (weights may be packed objects, not parameters);
-        sizes the KV pool and the benchmarks' roofline
+    weight_bytes(*, per_token=False) -> int: bytes its weights take on the
+        device, each shared tensor counted once (weights may be packed objects,
+        not parameters), which sizes the KV pool; per_token=True: the bytes
+        one decode step reads (not the input embedding table), for the
+        benchmarks' roofline and FLOP counts
     """
 
 

@@ -68,6 +68,21 @@ def measure_copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 7) -> float:
     return nbytes / min(times)
 
 
+def measure_read_bandwidth(nbytes: int = 512 << 20, repeats: int = 7) -> float:
+    """Bytes read per second by a reduction over a large bf16 tensor (what a
+    decode step does to its weights), for comparison with the copy figure."""
+    import torch
+
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / min(times)
+
+
 def measure_matmul_flops(dtype_name: str, n: int = 2048, repeats: int = 5) -> float:
     import torch
 
@@ -138,9 +153,10 @@ def time_decode_steps(llm: Any, batch: int, prompt_len: int, steps: int, seed: i
 
 
 def flops_per_token(model: Any, dtype_bytes: int) -> float:
-    """About 2 FLOPs per weight (multiply and add) for each token; the tiny
-    norm and rotary tables are included, attention is not."""
-    return 2 * model.weight_bytes() / dtype_bytes
+    """2 FLOPs (multiply, add) per weight a token is multiplied by: every
+    matrix and the output head; the small norm vectors are included,
+    attention is not."""
+    return 2 * model.weight_bytes(per_token=True) / dtype_bytes
 
 
 # ---- transformers -------------------------------------------------------------------------
@@ -268,8 +284,10 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
 
     print("measuring the machine...", file=sys.stderr)
     bw = measure_copy_bandwidth()
+    read_bw = measure_read_bandwidth()
     flops = measure_matmul_flops(args.dtype if args.dtype != "auto" else "bfloat16")
     result["copy_bandwidth_GBps"] = bw / 1e9
+    result["read_bandwidth_GBps"] = read_bw / 1e9
     result["matmul_GFLOPs"] = flops / 1e9
 
     llm = LLM(
@@ -288,11 +306,11 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
         "input_tokens": sum(len(p) for p, _ in work),
         "output_tokens": sum(n for _, n in work),
     }
-    # a decode step reads every weight once (SmolLM2's output head is its
-    # tied embedding; an untied model's input embedding is over-counted here)
-    wbytes = model.weight_bytes()
+    # a decode step reads every matrix once, the input embedding one row
+    wbytes = model.weight_bytes(per_token=True)
     result["weight_bytes"] = wbytes
     result["roofline_ms_per_token"] = wbytes / bw * 1000
+    result["read_roofline_ms_per_token"] = wbytes / read_bw * 1000
 
     if "throughput" not in skip:
         print("plinth: mixed workload...", file=sys.stderr)
@@ -335,9 +353,10 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
 
 def print_report(r: dict[str, Any]) -> None:
     lines = [
-        f"machine: {r['threads']} threads, copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s, "
+        f"machine: {r['threads']} threads, copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s "
+        f"(read-only {r['read_bandwidth_GBps']:.1f} GB/s), "
         f"matmul {r['matmul_GFLOPs']:.0f} GFLOP/s ({r['args']['dtype']})",
-        f"model: {r['model']} ({r['weight_bytes'] / 1e6:.0f} MB of weights read per decode step)",
+        f"model: {r['model']} ({r['weight_bytes'] / 1e6:.0f} MB of weights read per decode step, bf16)",
     ]
     w = r["workload"]
     lines.append(f"workload: {w['prompts']} prompts, {w['input_tokens']} input / {w['output_tokens']} output tokens")
@@ -351,8 +370,9 @@ def print_report(r: dict[str, Any]) -> None:
     if "plinth_batch1_ms_per_token" in r:
         ms = r["plinth_batch1_ms_per_token"]
         lines.append(
-            f"batch-1 decode: {ms:.2f} ms/token; roofline {r['roofline_ms_per_token']:.2f} ms/token "
-            f"({ms / r['roofline_ms_per_token']:.2f}x of it)"
+            f"batch-1 decode: {ms:.2f} ms/token; roofline {r['roofline_ms_per_token']:.2f} ms/token by copy bandwidth "
+            f"({ms / r['roofline_ms_per_token']:.2f}x of it), {r['read_roofline_ms_per_token']:.2f} ms/token by read "
+            f"bandwidth ({ms / r['read_roofline_ms_per_token']:.2f}x)"
         )
     if "transformers_batch1_ms_per_token" in r:
         lines.append(f"  transformers batch-1: {r['transformers_batch1_ms_per_token']:.2f} ms/token")

@@ -104,11 +104,16 @@ class LlamaForCausalLM(torch.nn.Module):
             out.extend(getattr(layer, name) for name in LlamaLayer.__slots__ if name != "sliding_window")
         return [w for w in out if w is not None]
 
-    def weight_bytes(self) -> int:
+    def weight_bytes(self, *, per_token: bool = False) -> int:
         """Bytes the weights take on the device (each object counted once);
         the weights are plain attributes, not parameters, since a backend may
-        repack linear weights into objects of its own."""
-        total, seen = 0, set()
+        repack linear weights into objects of its own. ``per_token``: only
+        what one decode step reads (the input embedding gives one row, the
+        rotary table a few; a tied output head still reads the whole matrix)."""
+        skip = {id(self.cos_sin)} if per_token else set()
+        if per_token and self.embed is not self.lm_head:
+            skip.add(id(self.embed))
+        total, seen = 0, set(skip)
         for w in self.weights():
             if id(w) in seen:
                 continue
