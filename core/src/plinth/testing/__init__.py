@@ -27,11 +27,12 @@ category       function                                    pytest base class
 =============  ==========================================  ===========================
 (every one)    ``check_registration``, ``check_cheap_import``  ``PluginConformance``
 accelerator    ``check_accelerator``                       ``AcceleratorConformance``
+backend        ``check_backend``                           ``BackendConformance``
 =============  ==========================================  ===========================
 
-Extension points. A later category adds a module here (``backend.py``: ops
-against the reference backend on random inputs; ``a2a.py``: dispatch/combine
-round trips; ``kv_connector.py``: save/lookup/load round trips) with a
+Extension points. A later category adds a module here (``a2a.py``:
+dispatch/combine round trips; ``kv_connector.py``: save/lookup/load round
+trips, as ``backend.py`` checks ops against the reference backend) with a
 ``check_<category>(name, ...) -> Report`` function and a
 ``<Category>Conformance(PluginConformance)`` class, and registers the function
 in ``CATEGORY_CHECKS`` below; ``check_plugin`` then dispatches to it.
@@ -47,7 +48,8 @@ from typing import Any
 
 from plinth.testing._report import ConformanceError, Report
 from plinth.testing.accelerator import AcceleratorReport, check_accelerator
-from plinth.testing.conformance import AcceleratorConformance, PluginConformance
+from plinth.testing.backend import check_backend
+from plinth.testing.conformance import AcceleratorConformance, BackendConformance, PluginConformance
 from plinth.testing.isolated import IsolatedEnv
 from plinth.testing.registration import (
     FORBIDDEN_AT_CHECK,
@@ -61,6 +63,7 @@ from plinth.testing.registration import (
 #: categories add theirs (see the module docstring).
 CATEGORY_CHECKS: dict[str, Callable[..., Report]] = {
     "accelerator": check_accelerator,
+    "backend": check_backend,
 }
 
 
@@ -82,11 +85,13 @@ __all__ = [
     "FORBIDDEN_AT_ENTRY_POINT",
     "AcceleratorConformance",
     "AcceleratorReport",
+    "BackendConformance",
     "ConformanceError",
     "IsolatedEnv",
     "PluginConformance",
     "Report",
     "check_accelerator",
+    "check_backend",
     "check_cheap_import",
     "check_plugin",
     "check_registration",

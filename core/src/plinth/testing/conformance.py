@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from plinth.testing.accelerator import check_accelerator
+from plinth.testing.backend import check_backend
 from plinth.testing.registration import check_cheap_import, check_registration, discover_all
 
 
@@ -78,3 +79,16 @@ def _skip(reason: str) -> Any:
     import pytest
 
     pytest.skip(reason)
+
+
+class BackendConformance(PluginConformance):
+    """The registration checks plus every op the backend provides against
+    the reference backend's (float32 and bfloat16 by default)."""
+
+    category: ClassVar[str] = "backend"
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+
+    def test_ops_match_the_reference(self) -> None:
+        report = check_backend(self.name, dtypes=self.dtypes)
+        if not report.passed and report.skipped:
+            _skip("; ".join(report.skipped))

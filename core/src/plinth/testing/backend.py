@@ -1,0 +1,198 @@
+"""Backend conformance: a backend's ops against the reference backend's, on
+random inputs, through the same op-table merge the engine uses.
+
+Attention is checked layout-blind: both op tables allocate their own pages,
+run the same steps (a prefill that writes K/V, a chunk after a cached prefix,
+a mixed step, decode steps, a page copy for a fork), and must give the same
+outputs. So a backend may keep its pages in any layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plinth.testing._report import Report
+from plinth.testing.registration import discover_all
+
+#: tolerance (atol = rtol) per dtype name
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 3e-3}
+
+
+def _close(report: Report, what: str, got: Any, want: Any, tol: float) -> None:
+    import torch
+
+    got, want = got.float(), want.float()
+    if got.shape != want.shape:
+        report.problem(f"{what}: shape {tuple(got.shape)}, the reference gives {tuple(want.shape)}")
+        return
+    err = (got - want).abs()
+    bound = tol + tol * want.abs()
+    worst = float((err - bound).max()) if err.numel() else 0.0
+    report.expect(worst <= 0 and bool(torch.isfinite(got).all()), what, f"max abs diff {float(err.max()):.3g} (tolerance {tol})")
+
+
+def _meta(seqs: list[tuple[int, int]], tables: list[list[int]], page_size: int, device: Any) -> Any:
+    """AttentionMetadata for sequences given as (cached length, new tokens)."""
+    import torch
+
+    from plinth.hookspecs import AttentionMetadata
+
+    positions, slots, qsl = [], [], [0]
+    for (cached, n), pages in zip(seqs, tables):
+        for pos in range(cached, cached + n):
+            positions.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+        qsl.append(qsl[-1] + n)
+    width = max(len(t) for t in tables)
+    block = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    seq_lens = [c + n for c, n in seqs]
+    return AttentionMetadata(
+        positions=torch.tensor(positions, device=device),
+        slot_mapping=torch.tensor(slots, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block.to(device),
+        page_size=page_size,
+        max_query_len=max(n for _, n in seqs),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=[n for _, n in seqs],
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def _check_attention(report: Report, ops: Any, ref: Any, dtype: Any, device: Any, tol: float, *, page_size: int, heads: tuple[int, int], window: int | None) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(page_size * 31 + heads[0])
+    num_heads, num_kv = heads
+    dim, num_pages = 32, 64
+    label = f"attention ({dtype}, page size {page_size}, {num_heads}/{num_kv} heads, window {window})"
+    caches = []
+    for table in (ops, ref):
+        caches.append(
+            table.allocate_kv_cache(
+                num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim,
+                dtype=dtype, device=device,
+            )
+        )
+    pages = torch.randperm(num_pages, generator=g).tolist()
+    tables = [pages[0:12], pages[12:24], pages[24:36]]  # one more table for the fork below
+    steps = [
+        [(0, 20), (0, 5)],  # prefill from position 0
+        [(20, 9), (5, 1)],  # a chunk after a cached prefix, with a decode
+        [(29, 1), (6, 1)],  # decode only
+        [(30, 1), (7, 1)],
+    ]
+    for i, seqs in enumerate(steps):
+        t = sum(n for _, n in seqs)
+        q = torch.randn(t, num_heads, dim, generator=g).to(dtype).to(device)
+        k = torch.randn(t, num_kv, dim, generator=g).to(dtype).to(device)
+        v = torch.randn(t, num_kv, dim, generator=g).to(dtype).to(device)
+        outs = []
+        for table, cache in zip((ops, ref), caches):
+            meta = _meta(seqs, tables[: len(seqs)], page_size, device)
+            table.prepare_attention(meta)
+            outs.append(table.attention(q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window))
+        _close(report, f"{label}, step {i + 1} {seqs}", outs[0], outs[1], tol)
+    # fork sequence 0 into table 2 (copy its pages) and decode both
+    n_pages = -(-31 // page_size)
+    for table, cache in zip((ops, ref), caches):
+        table.copy_pages([cache], torch.tensor(tables[0][:n_pages]), torch.tensor(tables[2][:n_pages]))
+    seqs = [(31, 1), (31, 1)]  # the same new token in parent and fork
+    q = torch.randn(1, num_heads, dim, generator=g).repeat(2, 1, 1).to(dtype).to(device)
+    k = torch.randn(1, num_kv, dim, generator=g).repeat(2, 1, 1).to(dtype).to(device)
+    v = torch.randn(1, num_kv, dim, generator=g).repeat(2, 1, 1).to(dtype).to(device)
+    outs = []
+    for table, cache in zip((ops, ref), caches):
+        meta = _meta(seqs, [tables[0], tables[2]], page_size, device)
+        table.prepare_attention(meta)
+        outs.append(table.attention(q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window))
+    _close(report, f"{label}, after copy_pages (a fork decodes like its parent)", outs[0][1], outs[0][0], tol)
+    _close(report, f"{label}, forked decode against the reference", outs[0], outs[1], tol)
+
+
+def check_backend(
+    name: str,
+    *,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    accelerator: str = "auto",
+    require_available: bool = False,
+) -> Report:
+    """Every op ``name`` provides, against the reference backend's, on the
+    chosen accelerator's device (``auto``: the best available)."""
+    import torch
+
+    from plinth.engine.startup import resolve_ops
+    from plinth.hookspecs import SelectionContext
+
+    report = Report(f"backend {name}")
+    registry = discover_all()
+    entry = registry.get("backend", name)
+    acc_entry = registry.select("accelerator", accelerator, SelectionContext())
+    acc = acc_entry.load()()
+    device = acc.device(0)
+    references = [e for e in registry.entries["backend"] if e.descriptor.reference]
+    if not references:
+        report.problem("no reference backend is installed to compare against")
+        return report.raise_for_problems()
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        ctx = SelectionContext(accelerator=acc, dtype=dtype)
+        reasons = entry.evaluate(ctx)
+        if reasons:
+            msg = f"{dtype_name} on {acc_entry.name}: unavailable: {'; '.join(reasons)}"
+            report.problem(msg) if require_available else report.skip(msg)
+            continue
+        ops, sources = resolve_ops(registry, entry, ctx)
+        ref, _ = resolve_ops(registry, references[0], ctx)
+        mine = sorted(op for op, src in sources.items() if src == name)
+        report.ok(f"{dtype_name}: provides {', '.join(mine)}")
+        tol = TOLERANCE.get(dtype_name, 1e-2)
+        _check_ops(report, ops, ref, set(mine), dtype, device, tol)
+    return report.raise_for_problems()
+
+
+def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, device: Any, tol: float) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> Any:
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    if "rms_norm" in mine:
+        x, w, r = rand(7, 96), rand(96), rand(7, 96)
+        _close(report, f"rms_norm ({dtype})", ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), tol)
+        y, res = ops.rms_norm(x, w, 1e-6, r)
+        y_ref, res_ref = ref.rms_norm(x, w, 1e-6, r)
+        _close(report, f"rms_norm with residual ({dtype})", y, y_ref, tol)
+        _close(report, f"rms_norm residual sum ({dtype})", res, res_ref, tol)
+    if "linear" in mine or "pack_linear" in mine:
+        for rows in (1, 5, 64):
+            w, b, x = rand(48, 40), rand(48), rand(rows, 40)
+            _close(report, f"linear, {rows} rows ({dtype})", ops.linear(x, ops.pack_linear(w)), ref.linear(x, ref.pack_linear(w)), tol)
+            _close(report, f"linear with bias, {rows} rows ({dtype})", ops.linear(x, ops.pack_linear(w), b), ref.linear(x, ref.pack_linear(w), b), tol)
+    if "silu_and_mul" in mine:
+        x = rand(9, 64)
+        _close(report, f"silu_and_mul ({dtype})", ops.silu_and_mul(x), ref.silu_and_mul(x), tol)
+    if "rotary" in mine:
+        positions = torch.randint(0, 100, (6,), generator=g).to(device)
+        cos_sin = torch.randn(128, 32, generator=g).to(device)
+        for neox in (True, False):
+            q, k = rand(6, 4, 32), rand(6, 2, 32)
+            got = ops.rotary(q.clone(), k.clone(), positions, cos_sin, neox)
+            want = ref.rotary(q.clone(), k.clone(), positions, cos_sin, neox)
+            _close(report, f"rotary q (neox={neox}, {dtype})", got[0], want[0], tol)
+            _close(report, f"rotary k (neox={neox}, {dtype})", got[1], want[1], tol)
+    if "attention" in mine:
+        for page_size in (16, 7):
+            for heads in ((6, 2), (4, 4)):
+                _check_attention(report, ops, ref, dtype, device, tol, page_size=page_size, heads=heads, window=None)
+        _check_attention(report, ops, ref, dtype, device, tol, page_size=7, heads=(6, 2), window=9)
+    if "fused_moe" in mine:
+        x, w13, w2 = rand(5, 32), rand(4, 48, 32) / 4, rand(4, 32, 24) / 4
+        weights, ids = torch.topk(torch.randn(5, 4, generator=g).softmax(-1), 2)
+        _close(report, f"fused_moe ({dtype})", ops.fused_moe(x, w13, w2, weights.to(device), ids.to(device)),
+               ref.fused_moe(x, w13, w2, weights.to(device), ids.to(device)), tol)

@@ -1,0 +1,5 @@
+from plinth.testing import BackendConformance
+
+
+class TestConformance(BackendConformance):
+    name = "cpukernels"
