@@ -7,9 +7,8 @@ import math
 
 import pytest
 import torch
-from tiny_models import reference_greedy, reference_logprobs, tiny_model_dir
-
 from plinth import LLM, SamplingParams
+from tiny_models import reference_greedy, reference_logprobs, tiny_model_dir
 
 ARCHS = ["llama", "llama3-rope", "qwen2", "qwen3", "mistral"]
 PROMPT_LENS = [3, 17, 40, 64, 101]

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from plinth.engine.detokenizer import detokenize_step
 from plinth.engine.model_source import default_model_path
 from plinth.engine.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from functools import lru_cache
+from functools import cache
 
 VOCAB = 300  # 256 byte tokens, specials, a few merges
 CHAT_TEMPLATE = (
@@ -80,7 +80,7 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-@lru_cache(maxsize=None)
+@cache
 def tiny_model_dir(arch: str, root: str) -> str:
     """Build (once per process) and save the tiny model of ``arch`` under root."""
     import torch
@@ -101,7 +101,7 @@ def tiny_model_dir(arch: str, root: str) -> str:
     return path
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference_model(path: str):
     import torch
     from transformers import AutoModelForCausalLM

@@ -1,7 +1,6 @@
 """The page pool: reference counts, prefix-cache lookup, LRU eviction."""
 
 import pytest
-
 from plinth.engine.block_manager import BlockPool, OutOfPages, hash_pages
 
 

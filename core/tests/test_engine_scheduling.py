@@ -4,10 +4,9 @@ model whose every output depends on reading its KV pages right."""
 import random
 
 import pytest
-from toy_engine import EOS, VOCAB, reference, run_all, toy_engine
-
 from plinth.engine.sampling_params import SamplingParams
 from plinth.errors import RequestError
+from toy_engine import EOS, VOCAB, reference, run_all, toy_engine
 
 
 def _prompts(n, lo, hi, seed=0):

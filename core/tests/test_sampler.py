@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-
-from plinth.engine.sampler import SampleRow, Sampler, make_generator
+from plinth.engine.sampler import Sampler, SampleRow, make_generator
 from plinth.engine.sampling_params import SamplingParams
 
 

@@ -9,7 +9,6 @@ import os
 
 import jinja2
 import pytest
-
 from plinth.errors import ConfigError
 from plinth.tokenizer import Tokenizer
 

@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from plinth.errors import ConfigError
 from plinth.weights import GGUFFile, dequantize_gguf, iter_safetensors, load_hf_config, safetensors_files
 

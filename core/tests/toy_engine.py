@@ -12,7 +12,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.engine import LLMEngine
 from plinth.engine.model_runner import ModelRunner

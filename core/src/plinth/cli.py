@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from plinth import __version__
 from plinth.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from plinth.errors import PlinthError
-from plinth.plugins import ALLOW_ENV, BLOCK_ENV, CATEGORIES, PluginRegistry, install_hint
+from plinth.plugins import ALLOW_ENV, BLOCK_ENV, PluginRegistry, install_hint
 
 log = logging.getLogger("plinth")
 

@@ -8,7 +8,6 @@ from typing import Any, Mapping
 
 from plinth.errors import ConfigError
 
-
 #: Token budget of one step. A step's prefill chunk delays every running
 #: stream's next token and every waiting request's first one; 512 tokens keep
 #: a step around half a second on two CPU cores, and GEMMs with 512 rows

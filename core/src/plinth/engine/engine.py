@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import torch
 
@@ -16,10 +17,10 @@ from plinth.engine.block_manager import BlockPool
 from plinth.engine.detokenizer import detokenize_step, find_stop
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plinth.engine.sampler import SampleRow, Sampler, make_generator, prompt_logprobs
+from plinth.engine.sampler import Sampler, SampleRow, make_generator, prompt_logprobs
 from plinth.engine.sampling_params import SamplingParams
 from plinth.engine.scheduler import ScheduledBatch, Scheduler
-from plinth.engine.sequence import Request, SeqStatus, Sequence
+from plinth.engine.sequence import Request, Sequence
 from plinth.errors import RequestError
 
 log = logging.getLogger("plinth.engine")

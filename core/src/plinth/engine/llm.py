@@ -91,7 +91,7 @@ class LLM:
             raise ValueError("give one SamplingParams, or one per prompt")
         tok = self.engine.tokenizer
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+        for prompt, p in zip(prompts, plist):
             rid = f"offline-{next(self._ids)}"
             if isinstance(prompt, str):
                 self.engine.add_request(rid, tok.encode(prompt), p, prompt=prompt)

@@ -3,7 +3,8 @@ and its paging metadata, calls the model, returns the logits rows asked for."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import numpy as np
 import torch

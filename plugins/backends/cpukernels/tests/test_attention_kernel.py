@@ -4,7 +4,6 @@ odd page sizes, bfloat16 and float32; mixed batches go to the reference."""
 
 import pytest
 import torch
-
 from plinth.api import AttentionMetadata, SelectionContext
 from plinth.engine.startup import resolve_ops  # noqa: F401  (the engine composes ops the same way)
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend

@@ -5,7 +5,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from plinth.api import SelectionContext
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend
 from plinth_plugin_cpukernels.gemm import PackedLinear

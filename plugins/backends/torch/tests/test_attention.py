@@ -5,7 +5,6 @@ from __future__ import annotations
 import dense_reference as ref
 import pytest
 import torch
-
 from plinth.api import AttentionMetadata
 from plinth_plugin_torch.attention import attention, build_plan, prepare_attention, token_major
 

@@ -9,7 +9,6 @@ import dense_reference as ref
 import pytest
 import torch
 import torch.nn.functional as F
-
 from plinth.api import OP_NAMES, QuantizedWeight, SelectionContext
 from plinth_plugin_torch import ops
 from plinth_plugin_torch.backend import TorchBackend

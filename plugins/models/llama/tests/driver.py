@@ -17,7 +17,6 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
-
 from plinth.api import AttentionMetadata, ModelConfig, SelectionContext
 
 

@@ -8,7 +8,6 @@ import functools
 import pytest
 import torch
 from driver import PagedDriver, torch_ops
-
 from plinth.api import LoadContext, ModelSource, load_hf_config
 from plinth_plugin_llama.loader import LlamaLoader
 
@@ -66,7 +65,7 @@ MODELS = ["llama", "llama3-tied-hd40", "qwen2", "qwen3", "mistral"]
 EXTRA_MODELS = ["llama-bias-yarn", "llama-linear-rope"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def saved_model(name: str, root: str) -> str:
     from transformers import AutoModelForCausalLM
 
@@ -83,14 +82,14 @@ def saved_model(name: str, root: str) -> str:
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_greedy(path: str) -> list[list[int]]:
     model = reference(path)
     out = []

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 from driver import PagedDriver, torch_ops
-from test_llama_vs_transformers import prompts, reference, saved_model
-
 from plinth.api import ConfigError, GGUFFile, LoadContext, ModelSource, load_hf_config
 from plinth_plugin_llama.loader import LlamaLoader
+from test_llama_vs_transformers import prompts, reference, saved_model
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plinth_plugin_llama.arch import arch_from_hf
 from plinth_plugin_llama.rope import cos_sin_table
 

@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 from driver import PagedDriver, torch_ops
-
-from plinth.api import GGUFFile, LoadContext, ModelSource, Tokenizer
+from plinth.api import GGUFFile, LoadContext, ModelSource
 from plinth_plugin_llama.loader import LlamaLoader
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

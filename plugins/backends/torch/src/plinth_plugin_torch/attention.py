@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from plinth.api import AttentionMetadata
 
 STATE_KEY = "torch"

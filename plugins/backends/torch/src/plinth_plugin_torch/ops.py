@@ -11,7 +11,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-
 from plinth.api import QuantizedWeight
 
 # ---- rms_norm ------------------------------------------------------------------

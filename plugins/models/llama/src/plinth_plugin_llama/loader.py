@@ -8,7 +8,6 @@ import re
 from typing import Any
 
 import torch
-
 from plinth.api import (
     ConfigError,
     GGUFFile,

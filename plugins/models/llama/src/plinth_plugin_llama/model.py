@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-
 from plinth.api import AttentionMetadata
 
 from plinth_plugin_llama.arch import LlamaArch
