@@ -12,54 +12,11 @@ that it still is.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from plinth.api import PluginError
 
-_CSRC = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-_kernels: Any = None
-
-
-def _cpu_tag() -> str:
-    """The build is tuned to this CPU (-march=native): key it by its flags."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
-
-
-def load_kernels(verbose: bool = False) -> Any:
-    """Compile (once per machine and source version; cached by torch in
-    $TORCH_EXTENSIONS_DIR) and import the kernel module."""
-    global _kernels
-    if _kernels is None:
-        from torch.utils.cpp_extension import load_inline
-
-        source = _CSRC.read_text()
-        digest = hashlib.blake2b((source + " ".join(CFLAGS)).encode(), digest_size=4).hexdigest()
-        try:
-            _kernels = load_inline(
-                name=f"plinth_cpukernels_{digest}_{_cpu_tag()}",
-                cpp_sources=[source],
-                functions=["paged_decode_attention"],
-                extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                verbose=verbose,
-            )
-        except Exception as exc:  # compiler missing or failing: say so, never fall back silently
-            raise PluginError(
-                f"cpukernels could not build its attention kernel ({type(exc).__name__}: {str(exc)[-400:]}); "
-                "install a C++ compiler and ninja, or choose --backend torch"
-            ) from exc
-    return _kernels
+from plinth_plugin_cpukernels.kernels import load_kernels
 
 
 def make_attention_ops(reference: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
@@ -104,16 +61,3 @@ def make_attention_ops(reference: Mapping[str, Callable[..., Any]]) -> dict[str,
         "attention": attention,
         "copy_pages": reference["copy_pages"],
     }
-
-
-def compiler_missing() -> str | None:
-    """Why the kernel cannot be built here, or None."""
-    import importlib.util
-    import shutil
-
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler ({cxx}) to build its attention kernel"
-    if importlib.util.find_spec("ninja") is None:
-        return "ninja is not installed (pip install ninja) to build its attention kernel"
-    return None

@@ -11,11 +11,12 @@ from plinth_plugin_cpukernels.gemm import DTYPE_NAMES, PackedLinear, make_linear
 
 
 class CPUKernelsBackend(Backend):
-    """GEMMs and decode attention for CPUs; every other op from the reference."""
+    """GEMMs, decode attention and the small per-layer ops for CPUs; the rest
+    (and what a kernel does not cover) from the reference."""
 
     @classmethod
     def check(cls, ctx: SelectionContext) -> list[str]:
-        from plinth_plugin_cpukernels.attention import compiler_missing
+        from plinth_plugin_cpukernels.kernels import compiler_missing
 
         reasons = []
         if ctx.accelerator is not None and getattr(ctx.accelerator, "device_type", "") != "cpu":
@@ -38,6 +39,7 @@ class CPUKernelsBackend(Backend):
         import torch.nn.functional as F
 
         from plinth_plugin_cpukernels.attention import make_attention_ops
+        from plinth_plugin_cpukernels.elementwise import make_elementwise_ops
 
         # weights it does not pack (quantized ones) keep the reference's packing and linear
         ref_pack = self.reference.get("pack_linear", lambda w: w)
@@ -52,4 +54,6 @@ class CPUKernelsBackend(Backend):
         # it does not handle; without the reference's attention ops, none
         if all(op in self.reference for op in ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages")):
             ops.update(make_attention_ops(self.reference))
+        if all(op in self.reference for op in ("rms_norm", "silu_and_mul", "rotary")):
+            ops.update(make_elementwise_ops(self.reference))
         return ops

@@ -6,7 +6,7 @@ import time
 
 
 def main() -> int:
-    from plinth_plugin_cpukernels.attention import compiler_missing, load_kernels
+    from plinth_plugin_cpukernels.kernels import compiler_missing, load_kernels
 
     missing = compiler_missing()
     if missing:

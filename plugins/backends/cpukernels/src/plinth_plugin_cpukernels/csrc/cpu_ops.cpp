@@ -1,0 +1,292 @@
+// plinth cpukernels: C++ kernels for CPUs, built with torch's cpp_extension.
+//
+// Each op does in one pass what the reference backend does in several torch
+// ops (a decode step runs ~400 of those, at 10-30 us each on 2 cores). All
+// arithmetic is float32; bfloat16 is read and written by bit shifts.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+  static inline float load(const float* p) { return *p; }
+  static inline void store(float* p, float v) { *p = v; }
+  static inline float round(float v) { return v; }
+};
+template <> struct Elem<uint16_t> {
+  static inline float load(const uint16_t* p) { return bf16_to_f32(*p); }
+  static inline void store(uint16_t* p, float v) { *p = f32_to_bf16(v); }
+  static inline float round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+};
+
+// exp by 2^(x log2 e) with a degree-6 polynomial for the fraction: plain
+// arithmetic, so loops over it vectorize (libm's expf does not here);
+// relative error about 2e-7.
+inline float fast_exp(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+template <typename F>
+void dispatch(const torch::Tensor& t, F&& f) {
+  if (t.scalar_type() == torch::kBFloat16) {
+    f(uint16_t{});
+  } else {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32, "cpukernels: bfloat16 or float32 only, got ", t.scalar_type());
+    f(float{});
+  }
+}
+
+template <typename T>
+inline T* ptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+template <typename T>
+inline const T* cptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+
+// rows per task: small batches stay on one thread (a fork costs more than the work)
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
+}  // namespace
+
+// ---- paged decode attention --------------------------------------------------------
+// q [B, Hq, D]; pages [Hkv, N, page_size, D] (V: Dv); block_tables [B, max_pages]
+// int32; seq_lens [B] int32. For each (sequence, KV head): scores of the group's
+// query heads over the context read straight from the pages, softmax, weighted
+// sum of V. Every K and V row is read once; nothing is padded.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale_d,
+                                     int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && k_pages.is_contiguous() && v_pages.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32);
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_pages.size(0), N = k_pages.size(1), ps = k_pages.size(2), Dv = v_pages.size(3);
+  const int64_t G = Hq / Hkv;
+  auto tables_t = block_tables.contiguous();
+  auto lens_t = seq_lens.contiguous();
+  const int32_t* tables = tables_t.data_ptr<int32_t>();
+  const int32_t* lens = lens_t.data_ptr<int32_t>();
+  const int64_t max_pages = tables_t.size(1);
+  const float scale = static_cast<float>(scale_d);
+  auto out = torch::empty({B, Hq, Dv}, q.options());
+  dispatch(q, [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = cptr<T>(q);
+    const T* kp = cptr<T>(k_pages);
+    const T* vp = cptr<T>(v_pages);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(G * D), scores, acc(G * Dv), row(std::max(D, Dv));
+      for (int64_t idx = begin; idx < end; ++idx) {
+        const int64_t b = idx / Hkv, h = idx % Hkv;
+        const int64_t L = lens[b];
+        const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+        const int64_t n = L - start;
+        const int32_t* table = tables + b * max_pages;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = Elem<T>::load(qp + (b * Hq + h * G + g) * D + d) * scale;
+        scores.resize(G * n);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t pos = start + t;
+          const T* k = kp + ((h * N + table[pos / ps]) * ps + pos % ps) * D;
+          float* r = row.data();
+          for (int64_t d = 0; d < D; ++d) r[d] = Elem<T>::load(k + d);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
+            scores[g * n + t] = s;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * n;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            sg[t] = fast_exp(sg[t] - m);
+            sum += sg[t];
+          }
+          const float inv = 1.f / sum;
+          for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t pos = start + t;
+          const T* v = vp + ((h * N + table[pos / ps]) * ps + pos % ps) * Dv;
+          float* r = row.data();
+          for (int64_t d = 0; d < Dv; ++d) r[d] = Elem<T>::load(v + d);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * n + t];
+            float* a = acc.data() + g * Dv;
+            for (int64_t d = 0; d < Dv; ++d) a[d] += p * r[d];
+          }
+        }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(op + (b * Hq + h * G + g) * Dv + d, acc[g * Dv + d]);
+      }
+    });
+  });
+  return out;
+}
+
+// ---- rms_norm, with the residual add fused ------------------------------------------
+// x [..., H] contiguous; weight [H]. Returns [y] or, with a residual, [y, x + residual]
+// (the sum rounded to x's dtype first, as the reference adds in that dtype).
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous());
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  auto y = torch::empty_like(x);
+  torch::Tensor sum;
+  const bool fused = residual.has_value();
+  if (fused) {
+    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == x.scalar_type());
+    sum = torch::empty_like(x);
+  }
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = cptr<T>(x);
+    const T* rp = fused ? cptr<T>(*residual) : nullptr;
+    T* sp = fused ? ptr<T>(sum) : nullptr;
+    T* yp = ptr<T>(y);
+    std::vector<float> wf(H);
+    dispatch(weight, [&](auto wtag) {
+      using W = decltype(wtag);
+      const W* wp = cptr<W>(weight);
+      for (int64_t i = 0; i < H; ++i) wf[i] = Elem<W>::load(wp + i);
+    });
+    at::parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
+      std::vector<float> v(H);
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * H;
+        float ss = 0.f;
+        if (fused) {
+          const T* rr = rp + r * H;
+          T* sr = sp + r * H;
+          for (int64_t i = 0; i < H; ++i) {
+            const float s = Elem<T>::round(Elem<T>::load(xr + i) + Elem<T>::load(rr + i));
+            Elem<T>::store(sr + i, s);
+            v[i] = s;
+            ss += s * s;
+          }
+        } else {
+          for (int64_t i = 0; i < H; ++i) {
+            v[i] = Elem<T>::load(xr + i);
+            ss += v[i] * v[i];
+          }
+        }
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+        T* yr = yp + r * H;
+        for (int64_t i = 0; i < H; ++i) Elem<T>::store(yr + i, v[i] * inv * wf[i]);
+      }
+    });
+  });
+  if (fused) return {y, sum};
+  return {y};
+}
+
+// ---- silu(x[..., :I]) * x[..., I:] -------------------------------------------------------
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous());
+  const int64_t I = x.size(-1) / 2, rows = x.numel() / (2 * I);
+  auto shape = x.sizes().vec();
+  shape.back() = I;
+  auto y = torch::empty(shape, x.options());
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = cptr<T>(x);
+    T* yp = ptr<T>(y);
+    at::parallel_for(0, rows, grain(2 * I), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = xp + r * 2 * I;
+        const T* u = g + I;
+        T* o = yp + r * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float a = Elem<T>::load(g + i);
+          Elem<T>::store(o + i, a / (1.f + fast_exp(-a)) * Elem<T>::load(u + i));
+        }
+      }
+    });
+  });
+  return y;
+}
+
+// ---- rotary embedding ----------------------------------------------------------------------
+// x [T, H, D] (any strides with a unit last stride); positions [T] int64;
+// cos_sin [max_pos, R] float32 (cos half, then sin half): the first R features
+// of each head rotate, in halves (neox) or in even/odd pairs. Returns a new
+// contiguous tensor.
+torch::Tensor rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin, bool is_neox) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1);
+  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous());
+  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), R = cos_sin.size(1), half = R / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  auto pos_t = positions.to(torch::kInt64).contiguous();
+  const int64_t* pos = pos_t.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  auto y = torch::empty({T_, H, D}, x.options());
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = cptr<T>(x);
+    T* yp = ptr<T>(y);
+    at::parallel_for(0, T_, grain(H * D), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = table + pos[t] * R;
+        const float* s = c + half;
+        for (int64_t h = 0; h < H; ++h) {
+          const T* xi = xp + t * s0 + h * s1;
+          T* yo = yp + (t * H + h) * D;
+          if (is_neox) {
+            for (int64_t i = 0; i < half; ++i) {
+              const float a = Elem<T>::load(xi + i), b = Elem<T>::load(xi + i + half);
+              Elem<T>::store(yo + i, a * c[i] - b * s[i]);
+              Elem<T>::store(yo + i + half, b * c[i] + a * s[i]);
+            }
+          } else {
+            for (int64_t i = 0; i < half; ++i) {
+              const float a = Elem<T>::load(xi + 2 * i), b = Elem<T>::load(xi + 2 * i + 1);
+              Elem<T>::store(yo + 2 * i, a * c[i] - b * s[i]);
+              Elem<T>::store(yo + 2 * i + 1, b * c[i] + a * s[i]);
+            }
+          }
+          for (int64_t i = R; i < D; ++i) yo[i] = xi[i];
+        }
+      }
+    });
+  });
+  return y;
+}

@@ -1,0 +1,51 @@
+"""rms_norm (with the residual add fused), silu_and_mul and rotary as single
+C++ kernels: each replaces 2-8 torch ops, and a decode step runs them ~120
+times. Inputs they do not cover (strided rows, other dtypes, flat rotary
+inputs, non-float32 rotary tables) go to the reference's ops."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from plinth_plugin_cpukernels.kernels import load_kernels
+
+
+def make_elementwise_ops(reference: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    import torch
+
+    kernels = load_kernels()
+    k_rms, k_silu, k_rotary = kernels.rms_norm, kernels.silu_and_mul, kernels.rotary
+    dtypes = (torch.bfloat16, torch.float32)
+    ref_rms, ref_silu, ref_rotary = reference["rms_norm"], reference["silu_and_mul"], reference["rotary"]
+
+    def rms_norm(x, weight, eps, residual=None):
+        if (
+            x.dtype not in dtypes
+            or not x.is_contiguous()
+            or (residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()))
+            or weight is None
+        ):
+            return ref_rms(x, weight, eps, residual)
+        out = k_rms(x, weight, float(eps), residual)
+        return out[0] if residual is None else (out[0], out[1])
+
+    def silu_and_mul(x):
+        if x.dtype not in dtypes or not x.is_contiguous():
+            return ref_silu(x)
+        return k_silu(x)
+
+    def rotary(q, k, positions, cos_sin, is_neox):
+        if (
+            q.dim() != 3
+            or k.dim() != 3
+            or q.dtype not in dtypes
+            or k.dtype != q.dtype
+            or q.stride(2) != 1
+            or k.stride(2) != 1
+            or cos_sin.dtype != torch.float32
+        ):
+            return ref_rotary(q, k, positions, cos_sin, is_neox)
+        table = cos_sin if cos_sin.is_contiguous() else cos_sin.contiguous()
+        return k_rotary(q, positions, table, bool(is_neox)), k_rotary(k, positions, table, bool(is_neox))
+
+    return {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary": rotary}
