@@ -99,6 +99,7 @@ def fake_engine(
     from plinth.engine.async_engine import AsyncLLM
     from plinth.engine.block_manager import BlockPool
     from plinth.engine.engine import LLMEngine
+    from plinth.engine.kv_cache_manager import KVCacheManager
     from plinth.engine.scheduler import Scheduler
     from plinth.hookspecs import ModelConfig
 
@@ -114,13 +115,13 @@ def fake_engine(
         eos_token_ids=(EOS,),
         bos_token_id=BOS,
     )
-    pool = BlockPool(num_pages, page_size, enable_caching=enable_caching)
-    scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, hash_seed=1)
+    runner = BigramRunner(delay=delay)
+    kv = KVCacheManager(BlockPool(num_pages, page_size, enable_caching=enable_caching), hash_seed=1, copy_pages=runner.copy_pages)
+    scheduler = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     engine = LLMEngine(
-        runner=BigramRunner(delay=delay),
+        runner=runner,
         tokenizer=ByteTokenizer(),
         model_config=cfg,
-        pool=pool,
         scheduler=scheduler,
         max_model_len=max_model_len,
     )

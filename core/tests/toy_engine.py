@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.engine import LLMEngine
+from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.scheduler import Scheduler
 from plinth.hookspecs import ModelConfig
@@ -109,11 +110,9 @@ def toy_engine(*, page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tok
     runner = ModelRunner(
         ToyModel(), TOY_OPS, cfg, device=torch.device("cpu"), dtype=torch.float64, num_pages=num_pages, page_size=page_size
     )
-    pool = BlockPool(num_pages, page_size, enable_caching=caching)
-    sched = Scheduler(pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return LLMEngine(
-        runner=runner, tokenizer=ToyTokenizer(), model_config=cfg, pool=pool, scheduler=sched, max_model_len=max_model_len
-    )
+    kv = KVCacheManager(BlockPool(num_pages, page_size, enable_caching=caching), copy_pages=runner.copy_pages)
+    sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return LLMEngine(runner=runner, tokenizer=ToyTokenizer(), model_config=cfg, scheduler=sched, max_model_len=max_model_len)
 
 
 def run_all(engine: LLMEngine, max_steps: int = 10_000):

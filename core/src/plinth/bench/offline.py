@@ -120,7 +120,7 @@ def run_plinth_throughput(llm: Any, work: list[tuple[list[int], int]]) -> dict[s
 
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:2]], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm up
-    llm.engine.pool.reset_cache()
+    llm.engine.kv.reset_prefix_cache()
     t = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params)
     dt = time.perf_counter() - t

@@ -13,8 +13,8 @@ from typing import Sequence as Seq
 
 import torch
 
-from plinth.engine.block_manager import BlockPool
 from plinth.engine.detokenizer import detokenize_step, find_stop
+from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plinth.engine.sampler import Sampler, SampleRow, make_generator, prompt_logprobs
@@ -33,7 +33,6 @@ class LLMEngine:
         runner: ModelRunner,
         tokenizer: Any,
         model_config: Any,
-        pool: BlockPool,
         scheduler: Scheduler,
         max_model_len: int,
         components: Any = None,
@@ -41,8 +40,11 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_config = model_config
-        self.pool = pool
         self.scheduler = scheduler
+        #: the one owner of KV pages (the scheduler's)
+        self.kv: KVCacheManager = scheduler.kv
+        if self.kv.copy_pages is None:
+            self.kv.copy_pages = runner.copy_pages
         self.max_model_len = max_model_len
         self.components = components  # what startup resolved (plugins, config)
         self.sampler = Sampler()
@@ -87,7 +89,7 @@ class LLMEngine:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        capacity = self.pool.num_pages * self.pool.page_size
+        capacity = self.kv.num_pages * self.kv.page_size
         if n + 1 > capacity:
             raise RequestError(
                 f"the prompt has {n} tokens but the KV cache holds {capacity}", param="prompt", code="context_length_exceeded"
@@ -218,29 +220,20 @@ class LLMEngine:
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The n sequences of a request whose prompt is now computed: the first
-        is the parent; the others share its full pages and get a copy of its
-        partial last page (or, with no page free, recompute from the cache)."""
+        is the parent; the others continue from its pages through the
+        KV-cache manager (or, with no page free for the copy of its partial
+        last page, wait and recompute from the prefix cache)."""
         req = parent.request
-        ps = self.pool.page_size
         seqs = [parent]
         for i in range(1, req.params.n):
             seed = None if req.params.seed is None else req.params.seed + i
             child = Sequence(req, i, list(parent.token_ids), generator=make_generator(seed))
             child.page_hashes = list(parent.page_hashes)
             child.grammar = parent.grammar.fork() if parent.grammar is not None else None
-            full = parent.num_computed // ps
-            partial = parent.num_computed % ps
-            if partial == 0 or self.pool.num_free > 0:
-                child.pages = parent.pages[:full]
-                self.pool.share(child.pages)
-                if partial:
-                    (page,) = self.pool.allocate(1)
-                    self.runner.copy_pages([parent.pages[full]], [page])
-                    child.pages.append(page)
-                child.num_computed = parent.num_computed
+            if self.kv.fork(parent, child):
                 self.scheduler.add_running(child)
             else:
-                self.scheduler.add(child)  # no page to copy into: recompute via the prefix cache
+                self.scheduler.add(child)
             req.seqs.append(child)
             seqs.append(child)
         return seqs
@@ -314,6 +307,7 @@ class LLMEngine:
             outputs=outs,
             finished=finished,
             num_cached_tokens=req.num_cached_tokens,
+            num_external_cached_tokens=req.num_external_cached_tokens,
             metrics=metrics,
             prompt_logprobs=req.prompt_logprobs,
         )
@@ -324,19 +318,19 @@ class LLMEngine:
         return {
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
-            "num_pages": self.pool.num_pages,
-            "free_pages": self.pool.num_free,
-            "page_size": self.pool.page_size,
-            "kv_usage": self.pool.usage(),
-            "prefix_cache_queries": self.pool.queries,
-            "prefix_cache_hits": self.pool.hits,
-            "prefix_cache_hit_rate": self.pool.hit_rate(),
+            **self.kv.stats(),
             "preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "steps": self.num_steps,
         }
 
+    @property
+    def pool(self) -> Any:
+        """The KV-cache manager's page pool (read it for statistics; pages
+        are handed out only through ``self.kv``)."""
+        return self.kv.pool
+
     def pages_held(self) -> int:
         """Pages referenced by live sequences (0 when idle: nothing leaked)."""
-        return sum(1 for r in self.pool.ref_count if r > 0)
+        return self.kv.pages_held()

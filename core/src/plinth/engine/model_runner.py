@@ -57,16 +57,15 @@ class ModelRunner:
         starts = np.empty(len(batch.seqs), dtype=np.int64)
         q_lens = list(batch.num_tokens)
         seq_lens: list[int] = []
-        max_pages = 1
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c = seq.num_computed
             ids.extend(seq.token_ids[c : c + n])
             starts[i] = c
             seq_lens.append(c + n)
-            max_pages = max(max_pages, len(seq.pages))
+        max_pages = max([1, *(len(t) for t in batch.block_tables)])
         tables = np.zeros((len(batch.seqs), max_pages), dtype=np.int64)
-        for i, seq in enumerate(batch.seqs):
-            tables[i, : len(seq.pages)] = seq.pages
+        for i, table in enumerate(batch.block_tables):
+            tables[i, : len(table)] = table
         q_lens_np = np.asarray(q_lens, dtype=np.int64)
         seq_index = np.repeat(np.arange(len(q_lens)), q_lens_np)
         cu = np.zeros(len(q_lens) + 1, dtype=np.int64)

@@ -48,5 +48,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a KV connector
+    num_external_cached_tokens: int = 0  # of those, loaded through the KV connector
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times (monotonic)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None: nothing precedes it

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from plinth.engine.block_manager import BlockPool, hash_pages
+from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.sequence import SeqStatus, Sequence
 
 
@@ -24,6 +24,8 @@ from plinth.engine.sequence import SeqStatus, Sequence
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    #: each scheduled sequence's pages, in order (from the KV-cache manager)
+    block_tables: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     #: sequences that can never fit in the pool, finished with "length"
     evicted: list[Sequence] = field(default_factory=list)
@@ -37,26 +39,23 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """Decides which sequences run how many tokens each step. It never
+    touches pages itself: it asks the KV-cache manager."""
+
     def __init__(
         self,
-        pool: BlockPool,
+        kv: KVCacheManager,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        hash_seed: int = 0,
-        external_lookup: Callable[[Sequence], int] | None = None,
     ) -> None:
-        self.pool = pool
-        self.page_size = pool.page_size
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.hash_seed = hash_seed
-        #: a KV connector's lookup, tried after the local prefix cache
-        self.external_lookup = external_lookup
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # pages kept free when admitting, so running sequences can grow
-        self.watermark = max(1, pool.num_pages // 100)
+        self.watermark = max(1, kv.num_pages // 100)
         self.num_preemptions = 0
 
     # ---- queue -----------------------------------------------------------
@@ -94,57 +93,20 @@ class Scheduler:
         seq.finish_reason = seq.finish_reason or reason
         if stop_reason is not None:
             seq.stop_reason = stop_reason
-        self.pool.release(seq.pages)
-        seq.pages = []
-
-    # ---- pages -------------------------------------------------------------
-
-    def _pages_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, -(-(seq.num_computed + n) // self.page_size) - len(seq.pages))
-
-    def _tokens_fitting(self, seq: Sequence, free_pages: int) -> int:
-        """How many more tokens fit in the pages it holds plus free_pages."""
-        return (len(seq.pages) + free_pages) * self.page_size - seq.num_computed
+        self.kv.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.release(seq.pages)
-        seq.pages = []
+        self.kv.free(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _lookup_prefix(self, seq: Sequence) -> None:
-        """Reuse cached pages for the longest known prefix of the sequence."""
-        if not self.pool.enable_caching or seq.params.prompt_logprobs is not None:
-            return
-        ps = self.page_size
-        seq.page_hashes = hash_pages(seq.token_ids, ps, seed=self.hash_seed, start=seq.page_hashes)
-        # at least one token must run through the model to give logits
-        usable = (seq.num_tokens - 1) // ps
-        pages = self.pool.lookup(seq.page_hashes[:usable])
-        seq.pages = pages
-        seq.num_computed = len(pages) * ps
-        if self.external_lookup is not None and len(pages) < usable:
-            seq.num_computed += self.external_lookup(seq)
-        first_admission = seq.num_output_tokens == 0
-        if first_admission:
-            self.pool.count_hits(seq.num_tokens, seq.num_computed)
-            if seq.index == 0:
-                seq.request.num_cached_tokens = seq.num_computed
-
-    def _undo_lookup(self, seq: Sequence) -> None:
-        self.pool.release(seq.pages)
-        seq.pages = []
-        seq.num_computed = 0
-
-    def _capacity_exceeded(self, seq: Sequence, n: int) -> bool:
-        return -(-(seq.num_computed + n) // self.page_size) > self.pool.num_pages
-
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
+        kv = self.kv
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -156,12 +118,12 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.remaining, budget)
-            if self._capacity_exceeded(seq, 1):
+            if kv.exceeds_capacity(seq, 1):
                 self.finish(seq, "length")
                 batch.evicted.append(seq)
                 continue
-            while self._pages_needed(seq, n) > self.pool.num_free:
-                fit = self._tokens_fitting(seq, self.pool.num_free)
+            while kv.pages_needed(seq, n) > kv.num_free:
+                fit = kv.tokens_fitting(seq, kv.num_free)
                 if fit >= 1 and n > 1:  # a prefill chunk shrinks to what fits
                     n = min(n, fit)
                     continue
@@ -172,55 +134,49 @@ class Scheduler:
                     break
                 self._preempt(victim)
                 batch.preempted.append(victim)
-            need = self._pages_needed(seq, n)
-            if need > self.pool.num_free:
+            if not kv.allocate_slots(seq, n):
                 self._preempt(seq)
                 batch.preempted.append(seq)
                 continue
-            seq.pages.extend(self.pool.allocate(need))
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             scheduled.add(seq.seq_id)
             budget -= n
 
         # admit new work only when nothing had to be preempted (no thrashing)
+        deferred: list[Sequence] = []  # KV-connector lookups still in flight
         while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.pages:
-                self._lookup_prefix(seq)
+            if kv.num_pages_of(seq) == 0 and kv.get_computed_tokens(seq) is None:
+                deferred.append(self.waiting.popleft())  # ask again next step
+                continue
             n = min(seq.remaining, budget)
-            free = self.pool.num_free - (self.watermark if self.running else 0)
-            if self._pages_needed(seq, n) > free:
-                if self.running or self._tokens_fitting(seq, max(free, 0)) < 1:
-                    self._undo_lookup(seq)
-                    if not self.running and self._capacity_exceeded(seq, 1):
+            reserve = self.watermark if self.running else 0
+            if not kv.allocate_slots(seq, n, reserve=reserve):
+                free = kv.num_free - reserve
+                if self.running or kv.tokens_fitting(seq, max(free, 0)) < 1:
+                    kv.undo_computed(seq)
+                    if not self.running and kv.exceeds_capacity(seq, 1):
                         self.waiting.popleft()
                         self.finish(seq, "length")
                         batch.evicted.append(seq)
                         continue
                     break
-                n = self._tokens_fitting(seq, free)  # alone: take a chunk that fits
+                n = kv.tokens_fitting(seq, free)  # alone: take a chunk that fits
+                kv.allocate_slots(seq, n, reserve=reserve)
             self.waiting.popleft()
-            seq.pages.extend(self.pool.allocate(self._pages_needed(seq, n)))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
+        batch.block_tables = [kv.block_table(s) for s in batch.seqs]
         return batch
 
     def mark_computed(self, batch: ScheduledBatch) -> None:
         """After the forward: the scheduled tokens' K/V are in their pages;
         full pages become findable in the prefix cache."""
-        ps = self.page_size
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            before = seq.num_computed // ps
+            self.kv.cache_computed(seq, seq.num_computed + n)
             seq.num_computed += n
-            after = seq.num_computed // ps
-            if after > before and self.pool.enable_caching:
-                if len(seq.page_hashes) < after:
-                    seq.page_hashes = hash_pages(
-                        seq.token_ids[: after * ps], ps, seed=self.hash_seed, start=seq.page_hashes
-                    )
-                for j in range(before, after):
-                    self.pool.register(seq.pages[j], seq.page_hashes[j])

@@ -33,7 +33,8 @@ class Request:
     seqs: list["Sequence"] = field(default_factory=list)
     first_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not computed: local prefix cache + KV connector
+    num_external_cached_tokens: int = 0  # of those, loaded through the KV connector
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
 
@@ -46,7 +47,7 @@ class Sequence:
     """One stream of tokens: the prompt, then what was sampled after it."""
 
     __slots__ = (
-        "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed", "pages",
+        "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed",
         "page_hashes", "status", "generator", "text", "prefix_offset", "read_offset", "logprobs",
         "cumulative_logprob", "finish_reason", "stop_reason", "grammar", "pending_fork", "num_emitted",
         "token_counts",
@@ -58,8 +59,7 @@ class Sequence:
         self.index = index
         self.token_ids = token_ids
         self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.num_computed = 0  # tokens whose K/V is in this sequence's pages
-        self.pages: list[int] = []
+        self.num_computed = 0  # tokens whose K/V is in its pages (the KV-cache manager holds them)
         self.page_hashes: list[int] = []  # chained hashes of its full pages, as far as known
         self.status = SeqStatus.WAITING
         self.generator = generator  # torch.Generator when the request has a seed
@@ -105,5 +105,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed}, pages={len(self.pages)}, {self.status.value})"
+            f"computed={self.num_computed}, {self.status.value})"
         )

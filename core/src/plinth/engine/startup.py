@@ -18,6 +18,7 @@ import torch
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.config import EngineConfig
 from plinth.engine.engine import LLMEngine
+from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner, kv_page_bytes
 from plinth.engine.model_source import locate_model
 from plinth.engine.scheduler import Scheduler
@@ -74,10 +75,13 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
         reference_ops = dict(references[0].load()(ctx).ops())
         table.update(reference_ops)
         sources.update({name: references[0].name for name in reference_ops})
-    ops = chosen.load()(ctx, reference_ops).ops()
-    unknown = set(ops) - set(OP_NAMES)
-    if unknown:
-        raise PluginError(f"backend {chosen.label()} provides unknown ops: {', '.join(sorted(unknown))}")
+    backend_cls = chosen.load()
+    for op, why in backend_cls.unsupported_ops(ctx).items():  # per-op limits, e.g. an instruction set
+        log.info("backend %s: %s from %s: %s", chosen.name, op, sources.get(op, "nowhere"), why)
+    ops = backend_cls(ctx, reference_ops).ops()
+    extra = set(ops) - set(OP_NAMES)
+    if extra:  # the op table is open: a backend may bring ops the core does not list
+        log.info("backend %s brings ops of its own: %s", chosen.name, ", ".join(sorted(extra)))
     for group in OP_GROUPS:
         given = [op for op in group if op in ops]
         if given and len(given) != len(group):
@@ -88,6 +92,17 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
     if missing:
         log.info("ops with no implementation (models needing them will fail to load): %s", ", ".join(missing))
     return SimpleNamespace(**table), sources
+
+
+def check_required_ops(needed: Any, ops: Any, tried: list[str], architecture: str) -> None:
+    """Fail, naming each missing op and the backends tried, when the model
+    needs an op the resolved table lacks (before any weight loads)."""
+    missing = [op for op in dict.fromkeys(needed) if getattr(ops, op, None) is None]
+    if missing:
+        raise PluginError(
+            f"{architecture} needs op{'s' if len(missing) > 1 else ''} {', '.join(missing)}, which no selected backend provides "
+            f"(tried: {', '.join(dict.fromkeys(tried))})"
+        )
 
 
 def resolve_dtype(name: str, accelerator: Any) -> torch.dtype:
@@ -136,6 +151,9 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     acc_entry = registry.select("accelerator", config.device, ctx)
     accelerator = acc_entry.load()()
     accelerator.init_process(local_rank=0, options=options)
+    # unseeded requests draw from torch's default generator: --seed makes a
+    # server's run reproducible, as vLLM's --seed does
+    torch.manual_seed(config.seed)
     device = accelerator.device(0)
     dtype = resolve_dtype(config.dtype, accelerator)
 
@@ -153,6 +171,8 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
         "backend", config.backend, ctx, prefer=accelerator.info().preferred_backends
     )
     ops, op_sources = resolve_ops(registry, backend_entry, ctx)
+    tried = [backend_entry.name] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e is not backend_entry]
+    check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
 
     tokenizer = loader.load_tokenizer(source)
     load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress)
@@ -181,13 +201,12 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     runner = ModelRunner(
         model, ops, model_cfg, device=device, dtype=dtype, num_pages=num_pages, page_size=config.page_size, tp=config.tp
     )
-    pool = BlockPool(num_pages, config.page_size, enable_caching=config.enable_prefix_caching)
-    scheduler = Scheduler(
-        pool,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+    kv = KVCacheManager(
+        BlockPool(num_pages, config.page_size, enable_caching=config.enable_prefix_caching),
         hash_seed=_hash_seed(source, model_cfg),
+        copy_pages=runner.copy_pages,
     )
+    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
     components = Components(
         config=config,
         accelerator=accelerator,
@@ -207,7 +226,6 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
         runner=runner,
         tokenizer=tokenizer,
         model_config=model_cfg,
-        pool=pool,
         scheduler=scheduler,
         max_model_len=max_model_len,
         components=components,
