@@ -4,7 +4,9 @@ change without notice."""
 
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import (
+    BASE_OPS,
     OP_NAMES,
+    OP_SIGNATURES,
     PLUGIN_API_VERSION,
     A2ADescriptor,
     Accelerator,
@@ -15,6 +17,7 @@ from plinth.hookspecs import (
     Backend,
     BackendDescriptor,
     CausalLM,
+    DispatchedTokens,
     KVConnector,
     KVConnectorDescriptor,
     LoadContext,
@@ -23,9 +26,17 @@ from plinth.hookspecs import (
     ModelLoader,
     ModelSource,
     QuantizedWeight,
+    ReasoningParse,
+    ReasoningParser,
+    ReasoningParserDescriptor,
     SelectionContext,
+    ToolCallItem,
+    ToolParse,
+    ToolParser,
+    ToolParserDescriptor,
     hookimpl,
 )
+from plinth.parsing import INVALID, JsonCallView, held_back, is_json_object, json_value_end, read_json_arguments, read_json_call, skip_ws
 from plinth.tokenizer import Tokenizer
 from plinth.weights import (
     GGUFFile,
@@ -35,8 +46,22 @@ from plinth.weights import (
     safetensors_files,
 )
 
+
+
+def load_accelerator(name: str = "auto", options: dict | None = None) -> Accelerator:
+    """The accelerator ``--device NAME`` would choose, instantiated: for tools
+    that run outside an engine (a kernel prebuild, a plugin's own tests)."""
+    from plinth.plugins import PluginRegistry
+
+    ctx = SelectionContext(options=dict(options or {}))
+    return PluginRegistry.discover().select("accelerator", name, ctx).load()()
+
+
 __all__ = [
+    "load_accelerator",
+    "BASE_OPS",
     "OP_NAMES",
+    "OP_SIGNATURES",
     "PLUGIN_API_VERSION",
     "A2ADescriptor",
     "Accelerator",
@@ -48,6 +73,7 @@ __all__ = [
     "BackendDescriptor",
     "CausalLM",
     "ConfigError",
+    "DispatchedTokens",
     "GGUFFile",
     "KVConnector",
     "KVConnectorDescriptor",
@@ -59,10 +85,25 @@ __all__ = [
     "PlinthError",
     "PluginError",
     "QuantizedWeight",
+    "ReasoningParse",
+    "ReasoningParser",
+    "ReasoningParserDescriptor",
     "SelectionContext",
+    "ToolCallItem",
+    "ToolParse",
+    "ToolParser",
+    "ToolParserDescriptor",
     "Tokenizer",
     "dequantize_gguf",
+    "INVALID",
+    "JsonCallView",
+    "held_back",
     "hookimpl",
+    "is_json_object",
+    "json_value_end",
+    "read_json_arguments",
+    "read_json_call",
+    "skip_ws",
     "iter_safetensors",
     "load_hf_config",
     "safetensors_files",

@@ -7,7 +7,7 @@ not import torch, vendor SDKs or kernels) holding ``@hookimpl`` functions.
 Every hook is called by keyword (pluggy), and an implementation declares only
 the arguments it uses, so a new hook argument never breaks an old plugin.
 
-There are five registration hooks, one per category. Each returns small named
+There are seven registration hooks, one per category. Each returns small named
 descriptors; a descriptor names its implementation lazily as ``"module:attr"``,
 which the core imports only when that plugin is chosen (or when
 ``platform plugins`` asks it whether it is available). The implementation
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 import pluggy
 
@@ -117,9 +117,41 @@ class KVConnectorDescriptor(PluginDescriptor):
     category: ClassVar[str] = "kv_connector"
 
 
+@dataclass(frozen=True)
+class ToolParserDescriptor(PluginDescriptor):
+    """Reads tool calls out of a model's output (``--tool-call-parser``).
+    impl -> a ``ToolParser`` subclass. Registered by the model plugin whose
+    families write calls this way.
+
+    template_markers: strings whose presence in a chat template means the
+    model writes calls this way; with ``auto`` the server takes the
+    highest-priority parser with a marker in the served model's template.
+    """
+
+    category: ClassVar[str] = "tool_parser"
+    template_markers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReasoningParserDescriptor(PluginDescriptor):
+    """Splits a model's reasoning from its answer (``--reasoning-parser``).
+    impl -> a ``ReasoningParser`` subclass; template_markers as for tool parsers."""
+
+    category: ClassVar[str] = "reasoning_parser"
+    template_markers: tuple[str, ...] = ()
+
+
 DESCRIPTOR_TYPES: dict[str, type[PluginDescriptor]] = {
     d.category: d
-    for d in (AcceleratorDescriptor, BackendDescriptor, ModelDescriptor, A2ADescriptor, KVConnectorDescriptor)
+    for d in (
+        AcceleratorDescriptor,
+        BackendDescriptor,
+        ModelDescriptor,
+        A2ADescriptor,
+        KVConnectorDescriptor,
+        ToolParserDescriptor,
+        ReasoningParserDescriptor,
+    )
 }
 
 # --------------------------------------------------------------------------
@@ -162,6 +194,17 @@ class PlinthHookSpec:
         Called at startup in every process."""
 
     @hookspec
+    def plinth_register_tool_parsers(self) -> Sequence[ToolParserDescriptor]:
+        """Return the tool-call parsers this plugin provides (model plugins
+        register the formats their families write). Called at startup in the
+        API server process, and by ``platform plugins``."""
+
+    @hookspec
+    def plinth_register_reasoning_parsers(self) -> Sequence[ReasoningParserDescriptor]:
+        """Return the reasoning parsers (``<think>...</think>`` and the like)
+        this plugin provides. Called at startup in the API server process."""
+
+    @hookspec
     def plinth_add_cli_arguments(self, parser: Any) -> None:
         """Add plugin-specific options to ``platform serve`` / ``generate``.
 
@@ -178,6 +221,8 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "model": "plinth_register_model_loaders",
     "a2a": "plinth_register_a2a",
     "kv_connector": "plinth_register_kv_connectors",
+    "tool_parser": "plinth_register_tool_parsers",
+    "reasoning_parser": "plinth_register_reasoning_parsers",
 }
 
 # --------------------------------------------------------------------------
@@ -235,6 +280,10 @@ class AcceleratorInfo:
     fp8: str = "none"  # "native" | "weight_only" | "none"
     memory_total: int = 0  # bytes, device 0
     dtypes: tuple[str, ...] = ()  # e.g. ("bfloat16", "float32")
+    #: instruction-set extensions found (CPU: "avx2", "avx512_bf16", "amx_bf16",
+    #: "sve", ...), possibly narrowed by the user; backends decide from these,
+    #: never from the machine's name or their own probing
+    isa: tuple[str, ...] = ()
     default_dtype: str = "bfloat16"
     preferred_backends: tuple[str, ...] = ()
 
@@ -283,47 +332,104 @@ class Accelerator(PluginImpl):
 
 # ---- backend ----------------------------------------------------------------
 
-#: The ops a backend may provide. The model calls them through ``Ops``; a
-#: backend that leaves one out gets the reference backend's. Signatures
-#: (tensors are torch.Tensor on the chosen device):
-#:
-#:   rms_norm(x, weight, eps, residual=None)
-#:       -> y, or (y, x + residual) when residual is given (the fused add)
-#:   pack_linear(weight) -> packed: once per weight at load time, turn a
-#:       [out, in] tensor (or a ``QuantizedWeight``) into what this backend's
-#:       linear takes (a pre-blocked layout, say); the reference returns it as is.
-#:       Models store the result and only ever hand it to ``linear``.
-#:   linear(x, weight, bias=None) -> x @ weight.T (+ bias); weight is what
-#:       pack_linear returned
-#:   silu_and_mul(x) -> silu(x[..., :d]) * x[..., d:]
-#:   rotary(q, k, positions, cos_sin, is_neox) -> (q, k); cos_sin is the
-#:       model's [max_pos, rotary_dim] table (cos half, then sin half)
-#:   allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim,
-#:       v_head_dim, dtype, device) -> (k_pages, v_pages): one layer's paged
-#:       K/V storage, zeroed, in this backend's own layout (v_pages is None
-#:       when v_head_dim is 0: V shares K's pages, as in MLA). Only this
-#:       backend's attention and copy_pages look inside; the engine only
-#:       counts pages.
-#:   prepare_attention(meta) -> None: once per step, before the layers; may
-#:       stash per-step state in ``meta.backend_state``
-#:   attention(q, k, v, kv_cache, meta, *, scale, sliding_window=None,
-#:       logit_cap=None) -> out [T, Hq, Dv]; writes k, v [T, Hkv, D] into
-#:       kv_cache = (k_pages, v_pages) at meta.slot_mapping (slot = page *
-#:       page_size + offset), then attends causally over each sequence's pages
-#:   copy_pages(kv_caches, src, dst) -> None: copy whole pages src[i] ->
-#:       dst[i] (int64 CPU tensors) in every layer (fork, n>1)
-#:   fused_moe(x, w13, w2, topk_weights, topk_ids) -> y (experts of this rank)
-OP_NAMES: tuple[str, ...] = (
-    "rms_norm",
-    "pack_linear",
-    "linear",
-    "silu_and_mul",
-    "rotary",
-    "allocate_kv_cache",
-    "prepare_attention",
-    "attention",
-    "copy_pages",
-    "fused_moe",
+# The ops a backend may provide, one typed signature each (tensors are
+# torch.Tensor on the chosen device). The model calls them through the op
+# table start-up resolves (attributes named as the ops); a backend that leaves
+# one out gets the reference backend's. The table is open: a backend may bring
+# an op not listed here (its name is the contract between it and the models
+# that call it), and a model loader names the ops it needs in
+# ``ModelLoader.required_ops``: start-up fails, naming the op and the backends
+# tried, when none of them provides one.
+
+
+class RmsNormOp(Protocol):
+    def __call__(self, x: "torch.Tensor", weight: "torch.Tensor | None", eps: float, residual: "torch.Tensor | None" = None) -> Any:
+        """y = x / rms(x) * weight; with ``residual``: (y, x + residual), the
+        norm taken of the sum (the fused residual add)."""
+
+
+class PackLinearOp(Protocol):
+    def __call__(self, weight: "torch.Tensor | QuantizedWeight") -> Any:
+        """Once per weight at load time: an [out, in] tensor (or a
+        ``QuantizedWeight``) into what this backend's ``linear`` takes (a
+        pre-blocked layout, say); the reference returns it as is. Models
+        store the result and only ever hand it to ``linear``."""
+
+
+class LinearOp(Protocol):
+    def __call__(self, x: "torch.Tensor", weight: Any, bias: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """x @ weight.T (+ bias); weight is what ``pack_linear`` returned."""
+
+
+class SiluAndMulOp(Protocol):
+    def __call__(self, x: "torch.Tensor") -> "torch.Tensor":
+        """silu(x[..., :d]) * x[..., d:] for a fused gate/up projection."""
+
+
+class RotaryOp(Protocol):
+    def __call__(self, q: "torch.Tensor", k: "torch.Tensor", positions: "torch.Tensor", cos_sin: "torch.Tensor", is_neox: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+        """(q, k) rotated; cos_sin is the model's [max_pos, rotary_dim] table
+        (cos half, then sin half)."""
+
+
+class AllocateKVCacheOp(Protocol):
+    def __call__(self, *, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: "torch.dtype", device: "torch.device") -> "tuple[Any, Any]":
+        """One layer's paged K/V storage, zeroed, in this backend's own layout
+        (v_pages is None when v_head_dim is 0: V shares K's pages, as in MLA).
+        Only this backend's attention and copy_pages look inside; the engine
+        only counts pages."""
+
+
+class PrepareAttentionOp(Protocol):
+    def __call__(self, meta: "AttentionMetadata") -> None:
+        """Once per step, before the layers; may stash per-step state in
+        ``meta.backend_state``."""
+
+
+class AttentionOp(Protocol):
+    def __call__(self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", kv_cache: "tuple[Any, Any]", meta: "AttentionMetadata", *, scale: float, sliding_window: int | None = None, logit_cap: float | None = None) -> "torch.Tensor":
+        """out [T, Hq, Dv]: writes k, v [T, Hkv, D] into kv_cache at
+        meta.slot_mapping (slot = page * page_size + offset), then attends
+        causally over each sequence's pages."""
+
+
+class CopyPagesOp(Protocol):
+    def __call__(self, kv_caches: Sequence[Any], src: "torch.Tensor", dst: "torch.Tensor") -> None:
+        """Copy whole pages src[i] -> dst[i] (int64 CPU tensors) in every
+        layer (fork, n > 1)."""
+
+
+class FusedMoEOp(Protocol):
+    def __call__(self, x: "torch.Tensor", w13: "torch.Tensor", w2: "torch.Tensor", topk_weights: "torch.Tensor", topk_ids: "torch.Tensor") -> "torch.Tensor":
+        """The experts of a mixture-of-experts MLP: x [T, H]; w13 [E, 2I, H]
+        (each expert's gate rows, then its up rows); w2 [E, H, I];
+        topk_weights, topk_ids [T, K]. Returns y [T, H] in x's dtype, y[t] =
+        sum over k of topk_weights[t, k] * down_e(silu(gate_e(x[t])) *
+        up_e(x[t])) with e = topk_ids[t, k]; ids outside [0, E) (experts of
+        other ranks, padding) contribute nothing. Tokens are grouped by
+        expert, one GEMM per expert that received tokens; an expert with no
+        tokens costs nothing."""
+
+
+#: the ops the core knows, with their signatures; a backend may add others
+OP_SIGNATURES: dict[str, type] = {
+    "rms_norm": RmsNormOp,
+    "pack_linear": PackLinearOp,
+    "linear": LinearOp,
+    "silu_and_mul": SiluAndMulOp,
+    "rotary": RotaryOp,
+    "allocate_kv_cache": AllocateKVCacheOp,
+    "prepare_attention": PrepareAttentionOp,
+    "attention": AttentionOp,
+    "copy_pages": CopyPagesOp,
+    "fused_moe": FusedMoEOp,
+}
+OP_NAMES: tuple[str, ...] = tuple(OP_SIGNATURES)
+#: the ops every decoder the core runs calls (the engine itself calls the
+#: KV ones); ``ModelLoader.required_ops`` adds what an architecture needs
+BASE_OPS: tuple[str, ...] = (
+    "rms_norm", "pack_linear", "linear", "silu_and_mul", "rotary",
+    "allocate_kv_cache", "prepare_attention", "attention", "copy_pages",
 )
 
 
@@ -351,9 +457,18 @@ class Backend(PluginImpl):
         #: them for the cases this backend does not handle
         self.reference = reference or {}
 
+    @classmethod
+    def unsupported_ops(cls, ctx: SelectionContext) -> Mapping[str, str]:
+        """Ops this backend has but cannot run for ``ctx``, each with why
+        (``{"linear": "bf16 GEMMs need avx512bw+vl+dq"}``). ``ops()`` leaves
+        them out and the reference serves them; start-up logs this and
+        ``platform plugins`` shows it. Whole-backend problems go in ``check``."""
+        return {}
+
     def ops(self) -> Mapping[str, Callable[..., Any]]:
-        """The ops this backend provides for ``self.ctx``: a subset of
-        ``OP_NAMES``; the reference backend supplies the rest."""
+        """The ops this backend provides for ``self.ctx``: any of
+        ``OP_SIGNATURES`` (the reference backend supplies the rest), plus any
+        op of its own (the table is open)."""
         raise NotImplementedError
 
 
@@ -466,18 +581,51 @@ class ModelLoader(PluginImpl):
         """A ``torch.nn.Module`` with the ``CausalLM`` methods, weights loaded."""
         raise NotImplementedError
 
+    def required_ops(self, config: ModelConfig) -> Sequence[str]:
+        """The ops this model calls. Checked at start-up, before any weight
+        loads: an op no selected backend provides fails naming the op and
+        the backends tried. May name ops outside ``OP_SIGNATURES``."""
+        return BASE_OPS + (("fused_moe",) if config.num_experts else ())
+
 
 # ---- MoE all-to-all -----------------------------------------------------------
+
+
+@dataclass
+class DispatchedTokens:
+    """What ``AllToAll.dispatch`` hands this rank's experts, in one of the two
+    layouts DeepEP's kernels produce (expert ids here are local:
+    ``0 .. num_local_experts - 1``).
+
+    layout "flat" (DeepEP's normal mode, prefill): x [N, H] are the tokens
+        received, each once however many of this rank's experts it chose;
+        topk_ids / topk_weights [N, K] its choices, local ids, -1 where the
+        expert lives on another rank. The experts return y [N, H], the
+        weighted sum over the token's local experts:
+        ``ops.fused_moe(x, w13, w2, topk_weights, topk_ids)``.
+    layout "padded" (DeepEP's low-latency mode, decode): x [E_local, M, H],
+        expert e's tokens in rows 0 .. counts[e] - 1 of x[e] (the rest is
+        padding); topk_ids / topk_weights None. The experts return y
+        [E_local, M, H], each row its expert's output, unweighted (combine
+        applies the weights); padding rows are ignored.
+    counts [E_local]: tokens per local expert (int, on the device).
+    """
+
+    layout: str
+    x: "torch.Tensor"
+    counts: "torch.Tensor"
+    topk_ids: "torch.Tensor | None" = None
+    topk_weights: "torch.Tensor | None" = None
 
 
 class AllToAll(PluginImpl):
     """Moves MoE tokens to the ranks owning their experts and back.
 
-    dispatch returns the tokens this rank's experts must process with a layout
-    the plugin chooses, described by ``layout``: "flat" (tokens with their
-    local expert ids and weights, as DeepEP's normal mode) or "padded"
-    (``[local_experts, max_tokens, hidden]`` with counts, as its low-latency
-    mode). combine takes the expert outputs in that same layout.
+    Experts are split evenly and contiguously over the group: rank r owns
+    global experts ``r * E / size .. (r + 1) * E / size - 1``. Every rank of
+    the group calls dispatch and combine the same number of times, in the
+    same order (a rank with no tokens passes empty tensors). ``check`` runs
+    at start-up before any weight loads, with ``ctx.ep`` set.
     """
 
     def __init__(self, ctx: SelectionContext, *, group: Any, num_experts: int, hidden_size: int) -> None:
@@ -486,12 +634,16 @@ class AllToAll(PluginImpl):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
 
-    def dispatch(self, hidden: "torch.Tensor", topk_ids: "torch.Tensor", topk_weights: "torch.Tensor", *, decode: bool) -> tuple[Any, Any]:
-        """-> (DispatchedTokens, handle)"""
+    def dispatch(self, hidden: "torch.Tensor", topk_ids: "torch.Tensor", topk_weights: "torch.Tensor", *, decode: bool) -> "tuple[DispatchedTokens, Any]":
+        """hidden [T, H], topk_ids [T, K] global expert ids, topk_weights
+        [T, K] -> (the tokens this rank's experts must process, a handle for
+        combine). ``decode``: the step is decode-only on every rank (a plugin
+        may then choose its low-latency layout)."""
         raise NotImplementedError
 
-    def combine(self, expert_out: Any, handle: Any) -> "torch.Tensor":
-        """-> hidden [num_tokens, hidden_size], the weighted sum over top-k."""
+    def combine(self, expert_out: "torch.Tensor", handle: Any) -> "torch.Tensor":
+        """The experts' output in the layout dispatch gave -> hidden [T, H]
+        for the tokens this rank dispatched, the weighted sum over top-k."""
         raise NotImplementedError
 
 
@@ -530,12 +682,91 @@ class KVConnector(PluginImpl):
         pass
 
 
+# ---- tool-call and reasoning parsers -------------------------------------------
+
+
+@dataclass
+class ToolCallItem:
+    """One tool call read out of the output.
+
+    arguments: the JSON text of the arguments, as the model wrote it; in a
+        streaming view, what has arrived of it so far.
+    id: an id the model's format carries (Kimi K2's ``functions.get_weather:0``);
+        None lets the server make one.
+    """
+
+    name: str
+    arguments: str = "{}"
+    complete: bool = True
+    id: str | None = None
+
+
+@dataclass
+class ToolParse:
+    """What a tool parser makes of the output: answer text and calls."""
+
+    content: str
+    calls: list[ToolCallItem] = field(default_factory=list)
+
+
+class ToolParser(PluginImpl):
+    """Reads a model family's tool-call format. One instance per request
+    (``tools`` is the request's tool list, for formats that need it).
+
+    ``parse`` is a pure function of the text so far, so the server streams
+    by diffing successive views; a parser keeps no state between calls.
+    """
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        self.tools = list(tools)
+
+    def parse(self, text: str, *, final: bool) -> ToolParse:
+        """text: everything the model wrote so far (after its reasoning).
+
+        final=True: the whole output. Every call returned is complete, with
+        arguments that are a JSON object; a call that is malformed (bad
+        JSON, no name, never closed) is left in ``content`` as written.
+        Never raises on any text.
+
+        final=False: a streaming view. ``content`` holds only text that is
+        certainly answer text (a possible beginning of a call marker at the
+        end is held back); a call appears once its name is complete, and
+        its ``arguments`` only ever grow (each view's is a prefix of the
+        next one's and of the final one).
+        """
+        raise NotImplementedError
+
+
+@dataclass
+class ReasoningParse:
+    """Reasoning text and the answer after it."""
+
+    reasoning: str
+    content: str
+
+
+class ReasoningParser(PluginImpl):
+    """Splits reasoning (``<think>...</think>``) from the answer; stateless
+    like ``ToolParser``. ``prompt`` is the rendered prompt, for templates
+    that open the reasoning block in the prompt itself."""
+
+    def __init__(self, prompt: str = "") -> None:
+        self.prompt = prompt
+
+    def parse(self, text: str, *, final: bool) -> ReasoningParse:
+        """final=False: a streaming view (a possible beginning of a tag at
+        the end is held back from both parts; both parts only grow)."""
+        raise NotImplementedError
+
+
 IMPL_BASES: dict[str, type[PluginImpl]] = {
     "accelerator": Accelerator,
     "backend": Backend,
     "model": ModelLoader,
     "a2a": AllToAll,
     "kv_connector": KVConnector,
+    "tool_parser": ToolParser,
+    "reasoning_parser": ReasoningParser,
 }
 
 

@@ -47,7 +47,11 @@ BLOCK_ENV = "PLINTH_PLUGINS_BLOCK"
 
 CATEGORIES: tuple[str, ...] = tuple(REGISTRATION_HOOKS)
 #: where each category's plugins live in a checkout: plugins/<folder>/<name>/
-CATEGORY_FOLDERS = {"accelerator": "accelerators", "backend": "backends", "model": "models", "a2a": "a2a", "kv_connector": "kv_connectors"}
+#: (parsers come with model plugins)
+CATEGORY_FOLDERS = {
+    "accelerator": "accelerators", "backend": "backends", "model": "models", "a2a": "a2a",
+    "kv_connector": "kv_connectors", "tool_parser": "models", "reasoning_parser": "models",
+}  # fmt: skip
 
 # statuses shown by `platform plugins`
 OK, UNAVAILABLE, INCOMPATIBLE, FAILED, BLOCKED = "ok", "unavailable", "incompatible", "failed", "blocked"

@@ -1,6 +1,9 @@
-"""Entry point: registers the loader; imports nothing heavy (no torch)."""
+"""Entry point: registers the loader and the tool-call / reasoning parsers of
+the families it serves; imports nothing heavy (no torch)."""
 
-from plinth.api import ModelDescriptor, hookimpl
+from plinth.api import ModelDescriptor, ReasoningParserDescriptor, ToolParserDescriptor, hookimpl
+
+_PARSERS = "plinth_plugin_llama.parsers"
 
 
 @hookimpl
@@ -13,4 +16,70 @@ def plinth_register_model_loaders():
             gguf_architectures=("llama", "qwen2", "qwen3"),
             description="dense Llama family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM (safetensors or GGUF)",
         )
+    ]
+
+
+@hookimpl
+def plinth_register_tool_parsers():
+    # template_markers: what the chat template of a model that writes calls
+    # this way contains (`--tool-call-parser auto` matches them)
+    return [
+        ToolParserDescriptor(
+            name="hermes",
+            impl=f"{_PARSERS}:HermesToolParser",
+            priority=10,
+            template_markers=("<tool_call>",),
+            description="<tool_call>{json}</tool_call> (Hermes, Qwen2.5, Qwen3)",
+        ),
+        ToolParserDescriptor(
+            name="qwen",
+            impl=f"{_PARSERS}:HermesToolParser",
+            description="Qwen2.5 / Qwen3 tool calls (the hermes format)",
+        ),
+        ToolParserDescriptor(
+            name="llama3_json",
+            impl=f"{_PARSERS}:Llama3JsonToolParser",
+            priority=5,
+            template_markers=("<|python_tag|>", "respond with a JSON for a function call"),
+            description='{"name", "parameters"} as the whole answer (Llama 3.1-3.3)',
+        ),
+        ToolParserDescriptor(
+            name="mistral",
+            impl=f"{_PARSERS}:MistralToolParser",
+            priority=10,
+            template_markers=("[TOOL_CALLS]",),
+            description="[TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...} (Mistral)",
+        ),
+        ToolParserDescriptor(
+            name="deepseek_v3",
+            impl=f"{_PARSERS}:DeepSeekV3ToolParser",
+            priority=10,
+            template_markers=("<｜tool▁calls▁begin｜>",),
+            description="<｜tool▁call▁begin｜>...<｜tool▁call▁end｜> (DeepSeek-V3, V3.1, R1)",
+        ),
+        ToolParserDescriptor(
+            name="kimi_k2",
+            impl=f"{_PARSERS}:KimiK2ToolParser",
+            priority=10,
+            template_markers=("<|tool_calls_section_begin|>",),
+            description="<|tool_call_begin|>functions.name:i<|tool_call_argument_begin|>{...} (Kimi K2)",
+        ),
+    ]
+
+
+@hookimpl
+def plinth_register_reasoning_parsers():
+    return [
+        ReasoningParserDescriptor(
+            name="qwen3",
+            impl=f"{_PARSERS}:ThinkReasoningParser",
+            priority=10,
+            template_markers=("<think>",),
+            description="<think>...</think> when the output or the prompt opens it (Qwen3, QwQ, SmolLM3)",
+        ),
+        ReasoningParserDescriptor(
+            name="deepseek_r1",
+            impl=f"{_PARSERS}:DeepSeekR1ReasoningParser",
+            description="reasoning until </think>, <think> optional (DeepSeek-R1)",
+        ),
     ]
