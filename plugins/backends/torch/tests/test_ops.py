@@ -207,6 +207,40 @@ def test_fused_moe_matches_per_token_loop():
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_fused_moe_one_gemm_pair_per_expert_with_tokens(monkeypatch):
+    """Tokens grouped by expert: each expert that got tokens runs one GEMM
+    pair over all of them, an expert with none runs nothing; -1 ids
+    (padding, other ranks) are skipped."""
+    g = torch.Generator().manual_seed(7)
+    t, h, inter, e = 12, 16, 8, 8
+    x = torch.randn(t, h, generator=g)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) / 4
+    w2 = torch.randn(e, h, inter, generator=g) / 4
+    ids = torch.tensor([[1, 5], [5, 1], [1, -1]] * 4)  # only experts 1 and 5
+    weights = torch.rand(t, 2, generator=g)
+    rows = []
+    real_linear = ops.linear
+
+    def counting_linear(a, w, bias=None):
+        rows.append(a.shape[0])
+        return real_linear(a, w, bias)
+
+    monkeypatch.setattr(ops, "linear", counting_linear)
+    out = ops.fused_moe(x, w13, w2, weights, ids)
+    assert rows == [12, 12, 8, 8]  # expert 1: 12 tokens (gate/up, then down), expert 5: 8
+    expected = torch.zeros(t, h)
+    for i in range(t):
+        for j in range(2):
+            ex = int(ids[i, j])
+            if ex < 0:
+                continue
+            gu = w13[ex] @ x[i]
+            expected[i] += weights[i, j] * (w2[ex] @ (F.silu(gu[:inter]) * gu[inter:]))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    rows.clear()
+    assert ops.fused_moe(x, w13, w2, weights, torch.full_like(ids, -1)).abs().max() == 0 and rows == []
+
+
 def test_module_reload_keeps_op_names():
     # the op table is built from module attributes; a reload must still work
     importlib.reload(ops)

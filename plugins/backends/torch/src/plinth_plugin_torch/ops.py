@@ -258,26 +258,37 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """Mixture-of-experts MLP, reference form: for each expert that got tokens,
-    y += weight * down(silu(gate(x)) * up(x)).
+    """Mixture-of-experts MLP, reference form (``FusedMoEOp`` in the contract):
+    y[t] = sum_k w[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, k].
 
     x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
-    topk_weights / topk_ids [T, K]. Ids outside [0, E) belong to other ranks
-    and are skipped. Accumulates in float32; returns x's dtype.
+    topk_weights / topk_ids [T, K]. The (token, k) pairs are sorted by expert
+    once, the tokens gathered once in that order, and each expert that got
+    tokens runs one GEMM pair over its contiguous group; experts with no
+    tokens cost nothing. Ids outside [0, E) (other ranks' experts, padding)
+    are skipped. The weighted sum accumulates in float32; returns x's dtype.
     """
     num_experts = w13.shape[0]
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
-    flat_weights = topk_weights.reshape(-1)
-    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[-1])
-    local = (flat_ids >= 0) & (flat_ids < num_experts)
-    counts = torch.bincount(flat_ids[local], minlength=num_experts).tolist()  # one host sync
-    for e, count in enumerate(counts):
+    bucket = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)  # skipped pairs last
+    order = torch.argsort(bucket, stable=True)
+    counts = torch.bincount(bucket, minlength=num_experts + 1).tolist()  # the one host sync
+    routed = sum(counts[:num_experts])
+    if routed == 0:
+        return out.to(x.dtype)
+    order = order[:routed]
+    tokens = order // top_k
+    grouped = x.index_select(0, tokens)
+    ys = torch.empty(routed, w2.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, count in enumerate(counts[:num_experts]):
         if count == 0:
             continue
-        sel = torch.nonzero(flat_ids == e, as_tuple=True)[0]
-        tokens = token_of[sel]
-        h = silu_and_mul(linear(x.index_select(0, tokens), w13[e]))
-        y = linear(h, w2[e]).to(torch.float32) * flat_weights[sel].to(torch.float32).unsqueeze(1)
-        out.index_add_(0, tokens, y)
+        seg = slice(start, start + count)
+        ys[seg] = linear(silu_and_mul(linear(grouped[seg], w13[e])), w2[e])
+        start += count
+    weights = topk_weights.reshape(-1).index_select(0, order).to(torch.float32).unsqueeze(1)
+    out.index_add_(0, tokens, ys.to(torch.float32) * weights)
     return out.to(x.dtype)

@@ -32,6 +32,16 @@ class LlamaArch:
     sliding_windows: list[int | None] = field(default_factory=list)
     #: per-head RMS norms of q and k (Qwen3)
     qk_norm: bool = False
+    #: mixture of experts (0: dense). Routing is softmax over all experts,
+    #: then top-k, then (norm_topk_prob) the k weights renormalized to sum 1.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    #: Qwen2-MoE: one always-on expert, scaled by sigmoid(shared_expert_gate(x))
+    shared_expert_intermediate_size: int = 0
+    #: per layer: True where the MLP is the experts (False: a dense MLP)
+    moe_layers: list[bool] = field(default_factory=list)
 
     @property
     def rotary_dim(self) -> int:
@@ -67,6 +77,32 @@ def _sliding_windows(cfg: Mapping[str, Any], arch: str, num_layers: int) -> list
     return [window] * num_layers  # Mistral: every layer
 
 
+#: the MoE architectures and whether they always renormalize the top-k weights
+MOE_ARCHITECTURES = {"MixtralForCausalLM": True, "Qwen2MoeForCausalLM": False, "Qwen3MoeForCausalLM": False}
+
+
+def _moe_fields(cfg: Mapping[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if num_experts < 1:
+        raise ConfigError(f"{arch}: the config names no experts (num_experts / num_local_experts)")
+    if arch == "MixtralForCausalLM":  # every layer sparse; the experts' size is intermediate_size
+        moe_size, layers = int(cfg["intermediate_size"]), [True] * num_layers
+    else:  # Qwen: dense MLPs on mlp_only_layers and between every decoder_sparse_step-th layer
+        only, step = set(cfg.get("mlp_only_layers") or ()), int(cfg.get("decoder_sparse_step") or 1)
+        moe_size = int(cfg["moe_intermediate_size"])
+        layers = [i not in only and (i + 1) % step == 0 for i in range(num_layers)]
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=moe_size,
+        norm_topk_prob=MOE_ARCHITECTURES[arch] or bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0,
+        moe_layers=layers,
+    )
+
+
 def arch_from_hf(cfg: Mapping[str, Any]) -> LlamaArch:
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     arch = archs[0]
@@ -90,7 +126,8 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> LlamaArch:
         rope=rope,
         partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)),
         sliding_windows=_sliding_windows(cfg, arch, num_layers),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        **_moe_fields(cfg, arch, num_layers),
     )
 
 

@@ -1,5 +1,7 @@
-"""Loading dense Llama-family models from a Hugging Face folder (safetensors)
-or a GGUF file (llama.cpp tensor names, dequantized at load)."""
+"""Loading Llama-family models (dense, and the Mixtral / Qwen2-MoE / Qwen3-MoE
+mixtures of experts) from a Hugging Face folder (safetensors, per-expert
+weights) or a GGUF file (llama.cpp tensor names, dequantized at load), cut to
+this rank's share when the world is tensor or expert parallel."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from plinth.api import (
 
 from plinth_plugin_llama.arch import LlamaArch, arch_from_hf, hf_config_from_gguf
 from plinth_plugin_llama.model import LlamaForCausalLM, LlamaLayer
+from plinth_plugin_llama.moe import MoEBlock
+from plinth_plugin_llama.parallel import Parallel, head_cols, head_rows, vocab_rows
 from plinth_plugin_llama.rope import cos_sin_table
 
 log = logging.getLogger("plinth.llama")
@@ -47,8 +51,21 @@ _HF_LAYER = {
     "mlp.gate_proj.bias": "gate_bias",
     "mlp.up_proj.bias": "up_bias",
     "mlp.down_proj.bias": "down_bias",
+    # mixtures of experts: the router, Qwen2-MoE's shared expert and its gate,
+    # transformers 5's in-memory fused experts (per-expert names: _HF_EXPERT_RE)
+    "mlp.gate.weight": "router",
+    "block_sparse_moe.gate.weight": "router",
+    "mlp.shared_expert.gate_proj.weight": "shared_gate_proj",
+    "mlp.shared_expert.up_proj.weight": "shared_up",
+    "mlp.shared_expert.down_proj.weight": "shared_down",
+    "mlp.shared_expert_gate.weight": "shared_expert_gate",
+    "mlp.experts.gate_up_proj": "experts_gate_up",
+    "mlp.experts.down_proj": "experts_down",
 }
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+#: per-expert weights: Qwen's gate/up/down_proj, Mixtral's w1 (gate), w3 (up), w2 (down)
+_HF_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 _GGUF_GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head", "rope_freqs.weight": "rope_freqs"}
 _GGUF_LAYER = {
@@ -77,6 +94,9 @@ def _map_name(name: str, global_map: dict[str, str], layer_map: dict[str, str], 
     m = layer_re.match(name)
     if m and m.group(2) in layer_map:
         return int(m.group(1)), layer_map[m.group(2)]
+    e = _HF_EXPERT_RE.match(m.group(2)) if m else None
+    if e:
+        return int(m.group(1)), f"expert.{int(e.group(1))}.{_EXPERT_PART[e.group(2)]}"
     return None
 
 
@@ -91,8 +111,9 @@ def unpermute_gguf_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class LlamaLoader(ModelLoader):
-    """Builds LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
-    MistralForCausalLM (and GGUF files of llama, qwen2, qwen3)."""
+    """Builds LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM and
+    Qwen3MoeForCausalLM (and GGUF files of llama, qwen2, qwen3)."""
 
     def __init__(self) -> None:
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -147,16 +168,18 @@ class LlamaLoader(ModelLoader):
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)),
             bos_token_id=None if bos is None else int(bos),
             dtype=dtype.removeprefix("torch."),
+            num_experts=arch.num_experts,
             raw=cfg,
         )
 
     # ---- weights -----------------------------------------------------------------------
 
     def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> LlamaForCausalLM:
-        if ctx.tp_size != 1:
-            raise ConfigError("the llama plugin does not shard models for tensor parallelism yet (tp must be 1)")
         cfg = dict(config.raw) if config.raw else self.hf_config(source)
         arch = arch_from_hf(cfg)
+        par = Parallel.from_ctx(ctx)
+        par.check(arch.num_heads, arch.num_kv_heads, arch.num_experts)
+        mine = set(par.local_experts(arch.num_experts)) if arch.num_experts else set()
         if source.format == "gguf":
             gguf = GGUFFile(source.path)
             permute = gguf.architecture == "llama"
@@ -175,6 +198,8 @@ class LlamaLoader(ModelLoader):
                 log.debug("ignoring checkpoint tensor %s", name)
                 continue
             layer, key = where
+            if key.startswith("expert.") and int(key.split(".")[1]) not in mine:
+                continue  # another ep rank's expert: never kept
             if key == "rope_freqs" and source.format == "gguf":
                 tensor = gguf.tensor(name)  # frequency factors stay float32
             if permute and key in ("q", "q_bias"):
@@ -185,7 +210,7 @@ class LlamaLoader(ModelLoader):
                 top[key] = tensor
             elif layer < arch.num_layers:
                 per_layer[layer][key] = tensor
-        return build_model(arch, top, per_layer, ctx)
+        return build_model(arch, top, per_layer, ctx, par)
 
 
 def _ids(value: Any) -> list[int]:
@@ -201,9 +226,13 @@ def _max_model_len(arch: LlamaArch) -> int:
     return arch.max_position_embeddings
 
 
-def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[dict[str, torch.Tensor]], ctx: LoadContext) -> LlamaForCausalLM:
-    """Fuse q/k/v and gate/up, hand every linear weight to ``ops.pack_linear``."""
+def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[dict[str, torch.Tensor]], ctx: LoadContext, par: Parallel | None = None) -> LlamaForCausalLM:
+    """Fuse q/k/v and gate/up (and each expert's gate/up), cut this rank's
+    share, hand every linear weight to ``ops.pack_linear``."""
     ops, device, dtype = ctx.ops, ctx.device, ctx.dtype
+    par = par or Parallel()
+    heads, kv_heads, hd = par.heads(arch.num_heads), par.kv_heads(arch.num_kv_heads), arch.head_dim
+    first_rank = par.tp_rank == 0  # row-parallel biases are added once, before the all-reduce
 
     def need(d: dict[str, torch.Tensor], key: str, where: str) -> torch.Tensor:
         if key not in d:
@@ -213,28 +242,45 @@ def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[d
     def put(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device=device, dtype=dtype).contiguous()
 
-    def fused_bias(d: dict[str, torch.Tensor], keys: tuple[str, ...], weights: list[torch.Tensor]) -> torch.Tensor | None:
+    def fused_bias(d: dict[str, torch.Tensor], keys: tuple[str, ...], sizes: list[int], cut: list[Any]) -> torch.Tensor | None:
         if not any(f"{k}_bias" in d for k in keys):
             return None
-        return torch.cat([d.get(f"{k}_bias", torch.zeros(w.shape[0], dtype=w.dtype)) for k, w in zip(keys, weights)])
+        return torch.cat([cut_fn(d[f"{k}_bias"]) if f"{k}_bias" in d else torch.zeros(n) for k, n, cut_fn in zip(keys, sizes, cut)])
+
+    def q_rows(t: torch.Tensor) -> torch.Tensor:
+        return head_rows(t, heads, hd)
+
+    def kv_rows(t: torch.Tensor) -> torch.Tensor:
+        return head_rows(t, kv_heads, hd)
+
+    def mlp_rows(t: torch.Tensor) -> torch.Tensor:  # column-parallel gate/up
+        return t[par.split(t.shape[0])]
+
+    def mlp_cols(t: torch.Tensor) -> torch.Tensor:  # row-parallel down
+        return t[:, par.split(t.shape[1])]
 
     layers = []
     for i, d in enumerate(per_layer):
         where = f"layer {i}"
         layer = LlamaLayer()
         q, k, v = need(d, "q", where), need(d, "k", where), need(d, "v", where)
-        expected = (arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim)
+        expected = (arch.num_heads * hd, arch.num_kv_heads * hd, arch.num_kv_heads * hd)
         if (q.shape[0], k.shape[0], v.shape[0]) != expected:
             raise ConfigError(f"{where}: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows, the config implies {expected}")
+        q, k, v = q_rows(q), kv_rows(k), kv_rows(v)
         layer.qkv = ops.pack_linear(put(torch.cat((q, k, v))))
-        layer.qkv_bias = put(fused_bias(d, ("q", "k", "v"), [q, k, v]))
-        layer.o_proj = ops.pack_linear(put(need(d, "o", where)))
-        layer.o_bias = put(d.get("o_bias"))
-        gate, up = need(d, "gate", where), need(d, "up", where)
-        layer.gate_up = ops.pack_linear(put(torch.cat((gate, up))))
-        layer.gate_up_bias = put(fused_bias(d, ("gate", "up"), [gate, up]))
-        layer.down = ops.pack_linear(put(need(d, "down", where)))
-        layer.down_bias = put(d.get("down_bias"))
+        layer.qkv_bias = put(fused_bias(d, ("q", "k", "v"), [q.shape[0], k.shape[0], v.shape[0]], [q_rows, kv_rows, kv_rows]))
+        layer.o_proj = ops.pack_linear(put(head_cols(need(d, "o", where), heads, hd)))
+        layer.o_bias = put(d.get("o_bias")) if first_rank else None
+        is_moe = bool(arch.num_experts) and i < len(arch.moe_layers) and arch.moe_layers[i]
+        if is_moe:
+            layer.moe = _build_moe(arch, d, where, ops, par, put, need)
+        else:
+            gate, up = mlp_rows(need(d, "gate", where)), mlp_rows(need(d, "up", where))
+            layer.gate_up = ops.pack_linear(put(torch.cat((gate, up))))
+            layer.gate_up_bias = put(fused_bias(d, ("gate", "up"), [gate.shape[0], up.shape[0]], [mlp_rows, mlp_rows]))
+            layer.down = ops.pack_linear(put(mlp_cols(need(d, "down", where))))
+            layer.down_bias = put(d.get("down_bias")) if first_rank else None
         layer.input_norm = put(need(d, "input_norm", where))
         layer.post_norm = put(need(d, "post_norm", where))
         if arch.qk_norm or "q_norm" in d:
@@ -243,14 +289,16 @@ def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[d
         layers.append(layer)
         d.clear()  # drop the unfused copies as we go
 
-    embed = put(need(top, "embed", "the embedding"))
+    first, rows = par.vocab(arch.vocab_size)
+    embed_full = need(top, "embed", "the embedding")
+    embed = put(vocab_rows(embed_full, first, rows)) if par.tp_size > 1 else put(embed_full)
     lm_head = top.get("lm_head")
     if lm_head is None:
         if not arch.tie_word_embeddings:
             log.warning("the checkpoint has no lm_head: tying it to the embedding")
         lm_head = embed
     else:
-        lm_head = put(lm_head)
+        lm_head = put(vocab_rows(lm_head, first, rows)) if par.tp_size > 1 else put(lm_head)
     cos_sin = cos_sin_table(
         arch.rope,
         arch.rotary_dim,
@@ -266,4 +314,41 @@ def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[d
         norm=put(need(top, "norm", "the final norm")),
         lm_head=ops.pack_linear(lm_head),
         layers=layers,
+        par=par,
+    )
+
+
+def _build_moe(arch: LlamaArch, d: dict[str, torch.Tensor], where: str, ops: Any, par: Parallel, put: Any, need: Any) -> MoEBlock:
+    """This rank's experts as w13 [E_local, 2I', H] and w2 [E_local, H, I'] (I'
+    = I / tp when ep = 1: each expert split like a dense MLP)."""
+    inter = arch.moe_intermediate_size
+    cut = par.split(inter) if par.ep_size == 1 else slice(0, inter)
+    fused_gate_up = d.get("experts_gate_up")
+    w13, w2 = [], []
+    for e in par.local_experts(arch.num_experts):
+        if fused_gate_up is not None:  # [E, 2I, H], [E, H, I]
+            gate, up, down = fused_gate_up[e, :inter], fused_gate_up[e, inter:], need(d, "experts_down", where)[e]
+        else:
+            gate, up, down = (need(d, f"expert.{e}.{part}", f"{where}, expert {e}") for part in ("gate", "up", "down"))
+        w13.append(torch.cat((gate[cut], up[cut])))
+        w2.append(down[:, cut])
+    shared = {}
+    if arch.shared_expert_intermediate_size:
+        gate, up = need(d, "shared_gate_proj", where), need(d, "shared_up", where)
+        s = par.split(gate.shape[0])
+        shared = dict(
+            shared_gate_up=ops.pack_linear(put(torch.cat((gate[s], up[s])))),
+            shared_down=ops.pack_linear(put(need(d, "shared_down", where)[:, s])),
+            shared_gate=ops.pack_linear(put(need(d, "shared_expert_gate", where))),
+        )
+    return MoEBlock(
+        ops,
+        par,
+        router=ops.pack_linear(put(need(d, "router", where))),
+        w13=put(torch.stack(w13)),
+        w2=put(torch.stack(w2)),
+        top_k=arch.num_experts_per_tok,
+        renormalize=arch.norm_topk_prob,
+        weights_in_activation_dtype=arch.architecture != "MixtralForCausalLM",
+        **shared,
     )

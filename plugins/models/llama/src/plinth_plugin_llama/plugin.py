@@ -12,9 +12,12 @@ def plinth_register_model_loaders():
         ModelDescriptor(
             name="llama",
             impl="plinth_plugin_llama.loader:LlamaLoader",
-            architectures=("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"),
+            architectures=(
+                "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+            ),
             gguf_architectures=("llama", "qwen2", "qwen3"),
-            description="dense Llama family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM (safetensors or GGUF)",
+            description="Llama family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM (safetensors or GGUF); MoE: Mixtral, Qwen2-MoE, Qwen3-MoE",
         )
     ]
 

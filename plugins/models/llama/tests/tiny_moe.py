@@ -1,0 +1,78 @@
+"""Tiny random mixture-of-experts models built with transformers (float32),
+saved as safetensors with per-expert weights, and greedy references."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+VOCAB = 256
+PROMPT_LENS = [3, 17, 40, 64, 101]
+
+
+def tiny_config(name: str):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    if name == "qwen3moe":  # q/k norms, top-k weights renormalized, 8 experts top 2
+        return transformers.Qwen3MoeConfig(
+            **common, head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True,
+        )
+    if name == "qwen2moe":  # q/k/v biases, shared expert with its sigmoid gate, raw top-k weights, a dense layer
+        return transformers.Qwen2MoeConfig(
+            **common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
+        )
+    if name == "mixtral":  # always renormalized, 4 experts top 2
+        return transformers.MixtralConfig(**common, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(name)
+
+
+@functools.cache
+def saved_model(name: str, root: str) -> str:
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(root, name)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(sum(map(ord, name)))
+    model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32)
+    with torch.no_grad():  # larger than the default init: logits far from flat, no greedy near-ties
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@functools.cache
+def reference(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def reference_greedy(path: str, new_tokens: int) -> list[list[int]]:
+    model = reference(path)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts():
+            ids = torch.tensor([prompt])
+            ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(prompt) :].tolist())
+    return out
