@@ -192,7 +192,45 @@ def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, d
                 _check_attention(report, ops, ref, dtype, device, tol, page_size=page_size, heads=heads, window=None)
         _check_attention(report, ops, ref, dtype, device, tol, page_size=7, heads=(6, 2), window=9)
     if "fused_moe" in mine:
-        x, w13, w2 = rand(5, 32), rand(4, 48, 32) / 4, rand(4, 32, 24) / 4
-        weights, ids = torch.topk(torch.randn(5, 4, generator=g).softmax(-1), 2)
-        _close(report, f"fused_moe ({dtype})", ops.fused_moe(x, w13, w2, weights.to(device), ids.to(device)),
-               ref.fused_moe(x, w13, w2, weights.to(device), ids.to(device)), tol)
+        _check_fused_moe(report, ops, ref, rand, g, dtype, device, tol)
+
+
+def _moe_loop(x: Any, w13: Any, w2: Any, weights: Any, ids: Any) -> Any:
+    """fused_moe by its definition, one (token, expert) pair at a time, in float64."""
+    import torch
+
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if 0 <= e < w13.shape[0]:
+                gu = w13[e].double().cpu() @ x[t].double().cpu()
+                act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+                out[t] += float(weights[t, k]) * (w2[e].double().cpu() @ act)
+    return out
+
+
+def _check_fused_moe(report: Report, ops: Any, ref: Any, rand: Any, g: Any, dtype: Any, device: Any, tol: float) -> None:
+    """Random routing over 8 experts (some get no tokens), ids of other ranks
+    (-1 and >= E) skipped, a single token, no routed token at all: against
+    the definition computed pair by pair, and against the reference op."""
+    import torch
+
+    num_experts, hidden, inter = 8, 32, 24
+    w13, w2 = rand(num_experts, 2 * inter, hidden) / 4, rand(num_experts, hidden, inter) / 4
+    for tokens, top_k in ((13, 2), (1, 3), (6, 1)):
+        x = rand(tokens, hidden)
+        logits = torch.randn(tokens, 5, generator=g)  # only experts 0..4 chosen: 5..7 get nothing
+        weights, ids = torch.topk(logits.softmax(-1), top_k)
+        ids = ids.clone()
+        if tokens > 2:
+            ids[0, 0], ids[1, -1] = -1, num_experts + 2  # other ranks' experts
+        weights, ids = weights.to(dtype).to(device), ids.to(device)
+        got = ops.fused_moe(x, w13, w2, weights, ids)
+        label = f"fused_moe, {tokens} tokens, top {top_k} ({dtype})"
+        _close(report, f"{label} against its definition", got, _moe_loop(x, w13, w2, weights, ids).to(got.dtype), tol)
+        _close(report, f"{label} against the reference", got, ref.fused_moe(x, w13, w2, weights, ids), tol)
+    x = rand(4, hidden)
+    nothing = ops.fused_moe(x, w13, w2, torch.ones(4, 2, dtype=dtype, device=device), torch.full((4, 2), -1, device=device))
+    report.expect(nothing.shape == x.shape and float(nothing.abs().max()) == 0, f"fused_moe with no routed token ({dtype})", "gives zeros")
