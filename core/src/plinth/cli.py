@@ -76,7 +76,7 @@ def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kv_config = json.loads(args.kv_connector_config) if getattr(args, "kv_connector_config", None) else None
     known = {
         "model", "device", "backend", "a2a", "kv_connector", "dtype", "page_size", "num_pages", "kv_cache_memory",
-        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep",
+        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep", "seed",
     }
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     kwargs["kv_connector_config"] = kv_config
@@ -92,7 +92,38 @@ def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _details(row: dict[str, Any]) -> str:
     if row["reasons"]:
         return "; ".join(row["reasons"])
-    return row.get("summary") or row.get("description", "")
+    text = row.get("summary") or row.get("description", "")
+    for dtype, limits in (row.get("unsupported_ops") or {}).items():
+        for why in dict.fromkeys(limits.values()):  # ops that share a reason are listed together
+            ops = ", ".join(op for op, w in limits.items() if w == why)
+            text += f"; in {dtype}, {ops} from the reference: {why}"
+    return text
+
+
+def _unsupported_ops(registry: PluginRegistry, row: dict[str, Any], ctx: Any) -> dict[str, dict[str, str]]:
+    """dtype -> {op: why} for an available backend, over the accelerator's dtypes."""
+    import dataclasses
+
+    impl = registry.get("backend", row["name"]).load()
+    out = {}
+    for dtype in ctx.accelerator.supported_dtypes():
+        limits = dict(impl.unsupported_ops(dataclasses.replace(ctx, dtype=dtype)))
+        if limits:
+            out[str(dtype).removeprefix("torch.")] = limits
+    return out
+
+
+def _backend_context(registry: PluginRegistry, name: str) -> Any:
+    """The context backends are judged in by `platform plugins`: the
+    accelerator ``--device`` takes (its instruction sets, its default dtype)."""
+    from plinth.hookspecs import SelectionContext
+
+    try:
+        accelerator = registry.get("accelerator", name).load()()
+        return SelectionContext(accelerator=accelerator, dtype=accelerator.default_dtype())
+    except Exception as exc:  # backends are then judged without one
+        log.debug("no accelerator for the backend report: %s", exc)
+        return None
 
 
 def resolve_choices(
@@ -146,6 +177,18 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
         except PlinthError as exc:
             error = exc
     rows = registry.report()
+    usable = sorted((r for r in rows if r["category"] == "accelerator" and r["status"] == "ok"), key=lambda r: (-r["priority"], r["name"]))
+    auto = usable[0] if usable else None  # what `--device auto` takes (select() orders the same way)
+    chosen = selected.get("accelerator")
+    backend_ctx = _backend_context(registry, chosen.name if chosen else auto["name"]) if (chosen or auto) else None
+    if backend_ctx is not None:  # backends judged on that accelerator, as start-up judges them
+        rows = registry.report(contexts={"backend": backend_ctx})
+        for row in rows:
+            if row["category"] == "backend" and row["status"] == "ok":
+                try:
+                    row["unsupported_ops"] = _unsupported_ops(registry, row, backend_ctx)
+                except Exception as exc:
+                    row["status"], row["reasons"] = "failed", [f"unsupported_ops() raised {type(exc).__name__}: {exc}"]
     for row in rows:  # an available accelerator says what it found
         if row["category"] == "accelerator" and row["status"] == "ok":
             try:
@@ -153,13 +196,12 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
                 row["summary"] = (
                     f"{info.device_count} x {info.device_name or info.device_type}"
                     + (f" {info.capability}" if info.capability else "")
-                    + f", {info.dist_backend}, fp8 {info.fp8}, {info.default_dtype}"
+                    + f", {info.dist_backend}, fp8 {info.fp8}, default {info.default_dtype}"
+                    + (f"; instruction sets: {','.join(info.isa)}" if info.isa else "")
                 )
                 row["info"] = vars(info)
             except Exception as exc:
                 row["status"], row["reasons"] = "failed", [f"info() raised {type(exc).__name__}: {exc}"]
-    usable = sorted((r for r in rows if r["category"] == "accelerator" and r["status"] == "ok"), key=lambda r: (-r["priority"], r["name"]))
-    auto = usable[0] if usable else None  # what `--device auto` takes (select() orders the same way)
     if args.json:
         doc: dict[str, Any] = {"core": __version__, "plugin_api": _api_version(), "plugins": rows}
         doc["auto"] = {"accelerator": auto["name"] if auto else None}
@@ -300,6 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return int(run(args, registry) or 0)
+    except BrokenPipeError:
+        # the reader went away (`platform plugins --json | head -1`): exit
+        # quietly, and keep Python from complaining again when it flushes stdout
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except PlinthError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -410,16 +410,22 @@ class PluginRegistry:
         """pluggy's hook relay, for the lifecycle hooks."""
         return self.pm.hook
 
-    def report(self, ctx: SelectionContext | None = None) -> list[dict[str, Any]]:
+    def report(
+        self, ctx: SelectionContext | None = None, contexts: Mapping[str, SelectionContext] | None = None
+    ) -> list[dict[str, Any]]:
         """Rows for `platform plugins`: every descriptor and every failed or
-        blocked entry point, each with status and reasons."""
+        blocked entry point, each with status and reasons. ``contexts`` gives
+        some categories a context of their own (backends are judged with the
+        accelerator ``auto`` takes, whose instruction sets they read)."""
         ctx = ctx or SelectionContext()
+        contexts = contexts or {}
         rows: list[dict[str, Any]] = []
         dups = {(c, n) for c, es in self.entries.items() for n in {e.name for e in es} if sum(e.name == n for e in es) > 1}
         for category in CATEGORIES:
             for e in sorted(self.entries[category], key=lambda e: (e.name, e.distribution)):
+                cctx = contexts.get(category, ctx)
                 if e.status == OK:
-                    e.evaluate(ctx)
+                    e.evaluate(cctx)
                 row = e.as_dict()
                 if (category, e.name) in dups:
                     others = [o for o in self.entries[category] if o.name == e.name and o is not e]

@@ -4,7 +4,7 @@ odd page sizes, bfloat16 and float32; mixed batches go to the reference."""
 
 import pytest
 import torch
-from plinth.api import AttentionMetadata, SelectionContext
+from plinth.api import AttentionMetadata, SelectionContext, load_accelerator
 from plinth.engine.startup import resolve_ops  # noqa: F401  (the engine composes ops the same way)
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend
 from plinth_plugin_torch.backend import TorchBackend
@@ -14,7 +14,7 @@ from plinth_plugin_torch.backend import TorchBackend
 def ops():
     reference = dict(TorchBackend(SelectionContext()).ops())
     table = dict(reference)
-    table.update(CPUKernelsBackend(SelectionContext(), reference).ops())  # compiles the kernel once
+    table.update(CPUKernelsBackend(SelectionContext(accelerator=load_accelerator("cpu")), reference).ops())  # compiles the kernel once
     return reference, table
 
 

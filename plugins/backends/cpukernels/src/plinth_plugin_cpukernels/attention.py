@@ -16,13 +16,11 @@ from typing import Any, Callable, Mapping
 
 from plinth.api import PluginError
 
-from plinth_plugin_cpukernels.kernels import load_kernels
 
-
-def make_attention_ops(reference: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
     import torch
 
-    kernel = load_kernels().paged_decode_attention
+    kernel = kernels.paged_decode_attention
     ref_attention = reference["attention"]
     ref_allocate = reference["allocate_kv_cache"]
 

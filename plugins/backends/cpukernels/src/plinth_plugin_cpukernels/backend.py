@@ -1,13 +1,35 @@
-"""The cpukernels backend: what it does better than the reference, per op."""
+"""The cpukernels backend: what it does better than the reference, per op,
+decided from the instruction sets the accelerator reports."""
 
 from __future__ import annotations
 
 import importlib.util
 from typing import Any, Callable, Mapping
 
-from plinth.api import Backend, SelectionContext
+from plinth.api import Backend, PluginError, SelectionContext
 
 from plinth_plugin_cpukernels.gemm import DTYPE_NAMES, PackedLinear, make_linear, pack_linear
+
+#: oneDNN runs bfloat16 GEMMs only with one of these (torch checks the same
+#: before its bf16 path and raises otherwise): AVX-512 BW+VL+DQ, AVX-NE-CONVERT
+#: on x86, the BF16 extension on aarch64
+BF16_GEMM_ISA = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",), ("bf16",))
+
+
+def accelerator_isa(ctx: SelectionContext) -> tuple[str, ...] | None:
+    """The accelerator's instruction sets, or None when none is chosen yet."""
+    if ctx.accelerator is None:
+        return None
+    return tuple(getattr(ctx.accelerator.info(), "isa", ()) or ())
+
+
+def bf16_gemm_missing(isa: tuple[str, ...]) -> str | None:
+    if any(set(group) <= set(isa) for group in BF16_GEMM_ISA):
+        return None
+    return (
+        "oneDNN's bfloat16 GEMMs need avx512bw+avx512vl+avx512dq or avx_ne_convert (x86) or bf16 (aarch64), "
+        f"and this CPU reports {','.join(isa) or 'none of them'}"
+    )
 
 
 class CPUKernelsBackend(Backend):
@@ -35,25 +57,41 @@ class CPUKernelsBackend(Backend):
             reasons.append(missing)
         return reasons
 
+    @classmethod
+    def unsupported_ops(cls, ctx: SelectionContext) -> Mapping[str, str]:
+        isa = accelerator_isa(ctx)
+        if isa is None or ctx.dtype is None or str(ctx.dtype) != "torch.bfloat16":
+            return {}
+        why = bf16_gemm_missing(isa)
+        return {"pack_linear": why, "linear": why} if why else {}
+
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         import torch.nn.functional as F
 
         from plinth_plugin_cpukernels.attention import make_attention_ops
         from plinth_plugin_cpukernels.elementwise import make_elementwise_ops
+        from plinth_plugin_cpukernels.kernels import load_kernels
 
-        # weights it does not pack (quantized ones) keep the reference's packing and linear
-        ref_pack = self.reference.get("pack_linear", lambda w: w)
-        ref_linear = self.reference.get("linear", F.linear)
+        isa = accelerator_isa(self.ctx)
+        if isa is None:
+            raise PluginError("cpukernels needs the accelerator in its context: its kernels are built for its instruction sets")
+        unsupported = self.unsupported_ops(self.ctx)
+        ops: dict[str, Callable[..., Any]] = {}
+        if "linear" not in unsupported:
+            # weights it does not pack (quantized ones) keep the reference's packing and linear
+            ref_pack = self.reference.get("pack_linear", lambda w: w)
+            ref_linear = self.reference.get("linear", F.linear)
 
-        def pack(weight: Any) -> Any:
-            packed = pack_linear(weight)
-            return packed if type(packed) is PackedLinear else ref_pack(weight)
+            def pack(weight: Any) -> Any:
+                packed = pack_linear(weight, bf16=bf16_gemm_missing(isa) is None)
+                return packed if type(packed) is PackedLinear else ref_pack(weight)
 
-        ops: dict[str, Callable[..., Any]] = {"pack_linear": pack, "linear": make_linear(ref_linear)}
+            ops.update({"pack_linear": pack, "linear": make_linear(ref_linear)})
+        kernels = load_kernels(isa)
         # the decode kernel reads the reference's KV layout and hands it what
         # it does not handle; without the reference's attention ops, none
         if all(op in self.reference for op in ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages")):
-            ops.update(make_attention_ops(self.reference))
+            ops.update(make_attention_ops(kernels, self.reference))
         if all(op in self.reference for op in ("rms_norm", "silu_and_mul", "rotary")):
-            ops.update(make_elementwise_ops(self.reference))
+            ops.update(make_elementwise_ops(kernels, self.reference))
         return ops

@@ -1,20 +1,29 @@
-"""`python -m plinth_plugin_cpukernels.build`: compile the kernels now (make
-setup runs it, so the first `platform serve` does not wait for the compiler)."""
+"""`python -m plinth_plugin_cpukernels.build`: compile the kernels now for the
+instruction sets the chosen accelerator reports (make setup runs it, so the
+first `platform serve` does not wait for the compiler)."""
 
 import sys
 import time
 
 
 def main() -> int:
-    from plinth_plugin_cpukernels.kernels import compiler_missing, load_kernels
+    from plinth.api import load_accelerator
+
+    from plinth_plugin_cpukernels.kernels import compiler_missing, isa_cflags, load_kernels
 
     missing = compiler_missing()
     if missing:
         print(f"cpukernels: not built: {missing}", file=sys.stderr)
         return 0  # the plugin then reports itself unavailable; the torch backend serves
+    accelerator = load_accelerator("auto")
+    if accelerator.device_type != "cpu":
+        print(f"cpukernels: not built: the accelerator is {accelerator.device_type}, not cpu")
+        return 0
+    isa = accelerator.info().isa
     t = time.perf_counter()
-    load_kernels()
-    print(f"cpukernels: kernels ready ({time.perf_counter() - t:.1f} s)")
+    load_kernels(isa)
+    flags = " ".join(isa_cflags(isa)) or "a generic build"
+    print(f"cpukernels: kernels ready for {','.join(isa) or 'no known extensions'} ({flags}; {time.perf_counter() - t:.1f} s)")
     return 0
 
 

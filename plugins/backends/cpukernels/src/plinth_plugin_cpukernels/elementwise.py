@@ -7,13 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from plinth_plugin_cpukernels.kernels import load_kernels
 
-
-def make_elementwise_ops(reference: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+def make_elementwise_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
     import torch
 
-    kernels = load_kernels()
     k_rms, k_silu, k_rotary = kernels.rms_norm, kernels.silu_and_mul, kernels.rotary
     dtypes = (torch.bfloat16, torch.float32)
     ref_rms, ref_silu, ref_rotary = reference["rms_norm"], reference["silu_and_mul"], reference["rotary"]

@@ -30,13 +30,15 @@ class PackedLinear:
         return self.out_features * self.in_features * self.dtype.itemsize
 
 
-def pack_linear(weight: Any) -> Any:
-    """Pack plain CPU bf16/fp32 matrices; anything else is returned as is."""
+def pack_linear(weight: Any, *, bf16: bool) -> Any:
+    """Pack plain CPU fp32 matrices, and bf16 ones when ``bf16`` (oneDNN can
+    run them on this CPU); anything else is returned as is."""
     import torch
 
+    names = DTYPE_NAMES if bf16 else ("float32",)
     if (
         isinstance(weight, torch.Tensor)
-        and str(weight.dtype).removeprefix("torch.") in DTYPE_NAMES
+        and str(weight.dtype).removeprefix("torch.") in names
         and weight.dim() == 2
         and weight.device.type == "cpu"
     ):

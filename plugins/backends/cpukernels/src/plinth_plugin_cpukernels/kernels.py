@@ -1,9 +1,14 @@
 """Building and loading the C++ kernels (csrc/cpu_ops.cpp).
 
-Compiled at first use with ``torch.utils.cpp_extension.load_inline``
-(``-O3 -march=native -ffast-math -fopenmp``; about 30-40 s on 2 cores) and
-cached by torch in ``$TORCH_EXTENSIONS_DIR``, keyed by the source, the flags
-and this CPU's feature flags (the build is tuned to the CPU it runs on).
+The code is plain C++ (no intrinsics); the compiler vectorizes it for the
+instruction sets the accelerator reports, passed as explicit ``-m`` flags
+rather than ``-march=native``. The build is cached by torch in
+``$TORCH_EXTENSIONS_DIR`` under a name keyed by the source, the flags (so by
+the instruction sets) and torch's version: a cache made on another CPU (a
+shared ``.venv``, a container image) is used only if it was built for the same
+extensions, and otherwise a new build is made, so it never executes an
+instruction this CPU lacks. A narrowed set (``PLINTH_CPU_ISA``) builds with
+the narrowed flags. About 30-40 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -14,24 +19,46 @@ import os
 import platform
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from plinth.api import PluginError
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 FUNCTIONS = ["paged_decode_attention", "rms_norm", "silu_and_mul", "rotary"]
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-_kernels: Any = None
+BASE_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+
+#: x86 extension (Linux's name) -> the GCC/Clang flag that lets the compiler use it
+X86_FLAGS = {
+    "sse4_2": "-msse4.2", "avx": "-mavx", "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c",
+    "avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512dq": "-mavx512dq",
+    "avx512cd": "-mavx512cd", "avx512_bf16": "-mavx512bf16", "avx512_vnni": "-mavx512vnni",
+    "avx_vnni": "-mavxvnni",
+}
+#: aarch64 extension -> its -march modifier
+ARM_EXTENSIONS = {"asimdhp": "fp16", "asimddp": "dotprod", "sve": "sve", "bf16": "bf16", "i8mm": "i8mm"}
+
+_kernels: dict[str, Any] = {}
 
 
-def _cpu_tag() -> str:
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
+def isa_cflags(isa: Iterable[str], machine: str | None = None) -> list[str]:
+    """Compiler flags for exactly these extensions (none known: a generic build)."""
+    isa = set(isa)
+    machine = (machine or platform.machine()).lower()
+    if machine in ("x86_64", "amd64"):
+        # -mtune only schedules: safe on any CPU with these extensions
+        return [flag for name, flag in X86_FLAGS.items() if name in isa] + ["-mtune=native"]
+    if machine in ("aarch64", "arm64"):
+        mods = [m for name, m in ARM_EXTENSIONS.items() if name in isa]
+        return [f"-march=armv8.2-a+{'+'.join(mods)}"] if mods else ["-march=armv8-a"]
+    return []
+
+
+def build_name(isa: Iterable[str]) -> str:
+    import torch
+
+    flags = BASE_CFLAGS + isa_cflags(isa)
+    key = "|".join([SOURCE.read_text(), " ".join(flags), platform.machine(), torch.__version__])
+    return f"plinth_cpukernels_{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 
 def compiler_missing() -> str | None:
@@ -44,26 +71,26 @@ def compiler_missing() -> str | None:
     return None
 
 
-def load_kernels(verbose: bool = False) -> Any:
-    """The compiled kernel module (built once per machine and source)."""
-    global _kernels
-    if _kernels is None:
+def load_kernels(isa: Iterable[str], verbose: bool = False) -> Any:
+    """The compiled kernel module for these extensions (built once per set and source)."""
+    isa = tuple(sorted(set(isa)))
+    name = build_name(isa)
+    if name not in _kernels:
         from torch.utils.cpp_extension import load_inline
 
-        source = SOURCE.read_text()
-        digest = hashlib.blake2b((source + " ".join(CFLAGS)).encode(), digest_size=4).hexdigest()
+        flags = BASE_CFLAGS + isa_cflags(isa)
         try:
-            _kernels = load_inline(
-                name=f"plinth_cpukernels_{digest}_{_cpu_tag()}",
-                cpp_sources=[source],
+            _kernels[name] = load_inline(
+                name=name,
+                cpp_sources=[SOURCE.read_text()],
                 functions=FUNCTIONS,
-                extra_cflags=CFLAGS,
+                extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 verbose=verbose,
             )
         except Exception as exc:  # a missing or failing compiler: say so, never fall back silently
             raise PluginError(
-                f"cpukernels could not build its kernels ({type(exc).__name__}: {str(exc)[-400:]}); "
-                "install a C++ compiler and ninja, or choose --backend torch"
+                f"cpukernels could not build its kernels with {' '.join(flags)} "
+                f"({type(exc).__name__}: {str(exc)[-400:]}); install a C++ compiler and ninja, or choose --backend torch"
             ) from exc
-    return _kernels
+    return _kernels[name]
