@@ -121,11 +121,16 @@ class Sampler:
         pen = [i for i in range(n) if rows[i].params.needs_penalties]
         gram = [i for i in range(n) if rows[i].grammar is not None]
         banned = [i for i in range(n) if rows[i].banned]
+        biased = [i for i in range(n) if rows[i].params.logit_bias]
         raw = logits
-        if pen or gram or banned:
+        if pen or gram or banned or biased:
             logits = logits.clone()
         if pen:
             _apply_penalties(logits, rows, pen)
+        for i in biased:  # before the grammar: a bias never lets through what it forbids
+            bias = rows[i].params.logit_bias
+            ids = [t for t in bias if t < logits.shape[-1]]
+            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
         for i in banned:
             logits[i, [t for t in rows[i].banned if t < logits.shape[-1]]] = float("-inf")
         if gram:

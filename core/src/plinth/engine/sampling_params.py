@@ -30,6 +30,8 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: OpenAI's logit_bias: token id -> added to its logit before sampling (-100 bans, 100 forces)
+    logit_bias: dict[int, float] | None = None
     #: structured output: {"type": "json_schema", "schema": {...}} | {"type": "json_object"} |
     #: {"type": "regex", "pattern": ...} | {"type": "structural_tag", ...}; compiled by the server
     guided: dict[str, Any] | None = None

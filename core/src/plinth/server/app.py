@@ -246,7 +246,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
             if not req.messages:
                 raise APIError.bad_request("messages must not be empty", param="messages")
             _, ids = ctx.chat_prompt(
-                openai_api.chat_messages(req.messages), add_generation_prompt=req.add_generation_prompt
+                openai_api.chat_messages(req.messages, native_tool_calls=ctx.native_tool_calls),
+                add_generation_prompt=req.add_generation_prompt,
             )
         elif req.prompt is not None:
             ids = ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)

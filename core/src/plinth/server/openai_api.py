@@ -28,11 +28,14 @@ from plinth.server.protocol import (
     CompletionStreamResponse,
     DeltaMessage,
     ModelCard,
+    FunctionCall,
     ModelList,
     PromptTokensDetails,
+    ToolCall,
     TopLogprob,
     Usage,
 )
+from plinth.server.tools import OutputParser, arguments_object, openai_tools, plan_tools, template_tools
 from plinth.server.serving import (
     ChoiceCursor,
     ClientDisconnected,
@@ -50,9 +53,12 @@ from plinth.server.serving import (
 MAX_TOP_LOGPROBS = 20
 
 
-def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage], param: str = "messages", *, native_tool_calls: bool = True) -> list[dict[str, Any]]:
     """OpenAI messages as the chat template expects them (plain text content;
-    ``developer`` is the newer name of ``system``)."""
+    ``developer`` is the newer name of ``system``; tool-call arguments as
+    objects, as templates render them). A template that knows nothing of
+    tool calls (``native_tool_calls`` False) gets them as JSON text, so the
+    model still sees what it called."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -63,7 +69,7 @@ def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[
         else:
             parts = []
             for j, part in enumerate(content):
-                if part.type not in ("text", "input_text") or part.text is None:
+                if part.type not in ("text", "input_text", "output_text") or part.text is None:
                     raise APIError.bad_request(
                         f"content parts of type {part.type!r} are not supported (text only)",
                         param=f"{param}.{i}.content.{j}.type",
@@ -74,8 +80,27 @@ def chat_messages(messages: list[ChatMessage], param: str = "messages") -> list[
         msg: dict[str, Any] = {"role": role, "content": text}
         if m.name:
             msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": arguments_object(c.function.arguments)}}
+                for c in m.tool_calls
+            ]
+            if native_tool_calls:
+                msg["tool_calls"] = calls
+            else:
+                shown = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) for c in calls)
+                msg["content"] = f"{text}\n{shown}" if text else shown
         out.append(msg)
     return out
+
+
+def tool_choice_of(choice: Any) -> tuple[str | None, str | None]:
+    """OpenAI's tool_choice as (mode, function name)."""
+    if choice is None or isinstance(choice, str):
+        return choice, None
+    return "named", choice.function.name
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:
@@ -188,6 +213,7 @@ class OpenAIServing:
             max_tokens=max_tokens,
             logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            logit_bias=ctx.logit_bias(req.logit_bias),
         )
         rid = random_id("cmpl-")
         gens: list[Generation] = []
@@ -352,46 +378,56 @@ class OpenAIServing:
                 )
             if not req.logprobs and req.top_logprobs > 0:
                 raise APIError.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
-        messages = chat_messages(req.messages)
+        tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
+        mode, named = tool_choice_of(req.tool_choice)
+        plan = plan_tools(tools, mode, named, req.parallel_tool_calls is not False)
+        messages = chat_messages(req.messages, native_tool_calls=ctx.native_tool_calls)
         prompt_text, ids = ctx.chat_prompt(
             messages,
             add_generation_prompt=req.add_generation_prompt,
             template_kwargs=req.chat_template_kwargs,
-            tools=req.tools,
+            tools=template_tools(tools) or None,
         )
         if not ids:
             raise APIError.bad_request("the chat template made an empty prompt", param="messages")
-        grammar = await ctx.grammar(req.response_format, req.guided_json, req.guided_regex)
+        grammar = await ctx.grammar(req.response_format, req.guided_json, req.guided_regex, forced=plan.grammar)
         stops = _stop_list(req.stop)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = ctx.default_max_tokens(len(ids))
+        kwargs = req.sampling_kwargs(stops)
+        if ctx.needs_special_tokens(plan):
+            kwargs["skip_special_tokens"] = False
         params = ctx.sampling_params(
-            **req.sampling_kwargs(stops),
+            **kwargs,
             max_tokens=max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            logit_bias=ctx.logit_bias(req.logit_bias),
         )
         params.grammar = grammar
+        parsers = [ctx.output_parser(plan, prompt_text) for _ in range(req.n)]
         rid = random_id("chatcmpl-")
         gen = await ctx.start(ids, params, rid, prompt_text)
         created = now_s()
         if req.stream:
-            return SSEResponse(self._chat_stream(req, rid, created, model, gen, stops), generations=[gen])
+            return SSEResponse(self._chat_stream(req, rid, created, model, gen, stops, parsers), generations=[gen])
         try:
             (final,) = await until_disconnect(raw, self._collect([gen]))
         except ClientDisconnected:
             return Response(status_code=499)
         k = req.top_logprobs or 0
-        choices = [
-            ChatCompletionChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=self.chat_logprobs(c.logprobs or [], k) if req.logprobs else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in final.outputs:
+            message, finish = self._chat_message(c, parsers[c.index])
+            choices.append(
+                ChatCompletionChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self.chat_logprobs(c.logprobs or [], k) if req.logprobs else None,
+                    finish_reason=finish,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in final.outputs
-        ]
         resp = ChatCompletionResponse(
             id=rid,
             created=created,
@@ -401,8 +437,29 @@ class OpenAIServing:
         )
         return JSONResponse(resp.model_dump())
 
+    @staticmethod
+    def _chat_message(c: CompletionOutput, op: OutputParser) -> tuple[ChatResponseMessage, str | None]:
+        if not op.active:
+            return ChatResponseMessage(content=c.text), c.finish_reason
+        parsed = op.parse(c.text, final=True)
+        ids = op.call_ids(parsed.calls)
+        calls = [ToolCall(id=i, function=FunctionCall(name=t.name, arguments=t.arguments)) for i, t in zip(ids, parsed.calls, strict=True)]
+        message = ChatResponseMessage(
+            content=parsed.content if parsed.content or not calls else None,
+            reasoning_content=parsed.reasoning or None,
+            tool_calls=calls,
+        )
+        return message, finish_reason(c.finish_reason, bool(calls))
+
     async def _chat_stream(
-        self, req: ChatCompletionRequest, rid: str, created: int, model: str, gen: Generation, stops: list[str]
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        model: str,
+        gen: Generation,
+        stops: list[str],
+        parsers: list[OutputParser],
     ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         k = req.top_logprobs or 0
@@ -426,7 +483,7 @@ class OpenAIServing:
                     cur = cursors[c.index]
                     if cur.finished:
                         continue
-                    piece = self._chat_delta(req, c, cur, stops, k)
+                    piece = self._chat_delta(req, c, cur, stops, k, parsers[c.index])
                     if piece is not None:
                         yield chunk([piece])
             if include_usage and final is not None:
@@ -442,7 +499,7 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     def _chat_delta(
-        self, req: ChatCompletionRequest, c: CompletionOutput, cur: ChoiceCursor, stops: list[str], k: int
+        self, req: ChatCompletionRequest, c: CompletionOutput, cur: ChoiceCursor, stops: list[str], k: int, op: OutputParser
     ) -> ChatCompletionStreamChoice | None:
         delta, t0, t1 = cur.advance(c.text, len(c.token_ids), c.finished, stops)
         logprobs = None
@@ -450,15 +507,45 @@ class OpenAIServing:
             logprobs = self.chat_logprobs(list((c.logprobs or [])[t0:t1]), k)
         if c.finished:
             cur.finished = True
-        if not delta and logprobs is None and not c.finished:
-            return None
+        finish = c.finish_reason
+        if op.active:
+            # the parsers read everything shown so far (held-back stop-string text is not shown)
+            d = op.delta(c.text[: cur.text_len], final=c.finished)
+            msg = DeltaMessage(
+                content=d.content or None,
+                reasoning_content=d.reasoning or None,
+                tool_calls=[_call_delta(x) for x in d.calls] or None,
+            )
+            if c.finished:
+                finish = finish_reason(c.finish_reason, op.num_calls > 0)
+            if not d and logprobs is None and not c.finished:
+                return None
+        else:
+            if not delta and logprobs is None and not c.finished:
+                return None
+            msg = DeltaMessage(content=delta) if delta or not c.finished else DeltaMessage()
         return ChatCompletionStreamChoice(
             index=c.index,
-            delta=DeltaMessage(content=delta) if delta or not c.finished else DeltaMessage(),
+            delta=msg,
             logprobs=logprobs,
-            finish_reason=c.finish_reason,
+            finish_reason=finish,
             stop_reason=c.stop_reason if c.finished else None,
         )
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that ended by itself after calling tools ended for them."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _call_delta(d: Any) -> dict[str, Any]:
+    fn: dict[str, Any] = {"arguments": d.arguments}
+    out: dict[str, Any] = {"index": d.index}
+    if d.name is not None:
+        out.update(id=d.id, type="function")
+        fn = {"name": d.name, "arguments": d.arguments}
+    out["function"] = fn
+    return out
 
 
 def router(serving: OpenAIServing) -> APIRouter:

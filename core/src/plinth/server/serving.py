@@ -38,6 +38,12 @@ class ServerSettings:
     max_request_body_bytes: int = 16 << 20
     enable_metrics: bool = True
     retry_after_s: int = 1
+    #: parser names (``--tool-call-parser``, ``--reasoning-parser``): a
+    #: registered name, "auto" (from the chat template) or "none"
+    tool_call_parser: str | None = "auto"
+    reasoning_parser: str | None = "auto"
+    #: the plugin registry to find parsers in (discovered when needed and not given)
+    registry: Any = None
 
 
 class ClientDisconnected(Exception):
@@ -70,6 +76,58 @@ class ServingContext:
         self._token_strs: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
         self._text_widths: dict[int, int] = {}
+        self.tool_parser_cls, self.reasoning_parser_cls = self._resolve_parsers()
+
+    def _resolve_parsers(self) -> tuple[type | None, type | None]:
+        """Once, at start-up: a named parser that cannot load stops start-up."""
+        from plinth.server.tools import resolve_parser
+
+        s = self.settings
+        template = getattr(self.tokenizer, "chat_template", None)
+        wanted = [(c, n) for c, n in (("tool_parser", s.tool_call_parser), ("reasoning_parser", s.reasoning_parser))]
+        if all(not n or n == "none" or (n == "auto" and not template) for _, n in wanted):
+            return None, None
+        if s.registry is None:
+            from plinth.plugins import PluginRegistry
+
+            s.registry = PluginRegistry.discover()
+        tool_cls, reasoning_cls = (resolve_parser(s.registry, c, n, template) for c, n in wanted)
+        return tool_cls, reasoning_cls
+
+    def output_parser(self, plan: Any, prompt: str, *, reasoning: bool = True, id_prefix: str = "call_") -> Any:
+        """The per-choice reader of reasoning and tool calls for a request."""
+        from plinth.server.tools import OutputParser
+
+        tools = plan.parser(self.tool_parser_cls) if plan is not None else None
+        rp = self.reasoning_parser_cls(prompt) if reasoning and self.reasoning_parser_cls is not None else None
+        return OutputParser(tools, rp, id_prefix)
+
+    @property
+    def native_tool_calls(self) -> bool:
+        """Whether the chat template renders an assistant's tool_calls itself."""
+        return "tool_calls" in (getattr(self.tokenizer, "chat_template", None) or "")
+
+    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias ({"token id": -100..100}) checked against the vocabulary."""
+        if not bias:
+            return None
+        vocab = self.engine.model_config.vocab_size
+        out = {}
+        for key, value in bias.items():
+            try:
+                tid = int(key)
+            except (TypeError, ValueError):
+                raise APIError.bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not 0 <= tid < vocab:
+                raise APIError.bad_request(f"logit_bias: token id {tid} is outside the vocabulary [0, {vocab})", param="logit_bias")
+            if not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise APIError.bad_request(f"logit_bias values must be in [-100, 100], got {value!r}", param="logit_bias")
+            out[tid] = float(value)
+        return out
+
+    def needs_special_tokens(self, plan: Any) -> bool:
+        """Formats whose markers are special tokens need them kept in the text."""
+        return plan is not None and plan.mode == "auto" and bool(getattr(self.tool_parser_cls, "needs_special_tokens", False))
 
     # ---- model names ---------------------------------------------------------------
 
@@ -194,12 +252,22 @@ class ServingContext:
             self._grammars = GrammarCompiler(self.tokenizer, self.engine.model_config.vocab_size, sorted(eos))
         return self._grammars
 
-    async def grammar(self, response_format: Any = None, guided_json: Any = None, guided_regex: Any = None) -> Any:
-        """A fresh grammar state for the request's structured-output fields, or None."""
+    async def grammar(
+        self, response_format: Any = None, guided_json: Any = None, guided_regex: Any = None, *, forced: Any = None
+    ) -> Any:
+        """A fresh grammar state for the request's structured-output fields, or None.
+        forced: a ``(kind, spec)`` a tool choice imposes (it excludes the others)."""
         from plinth.server.structured import normalize
 
         try:
             spec = normalize(response_format, guided_json, guided_regex)
+            if forced is not None:
+                if spec is not None:
+                    raise APIError.bad_request(
+                        "a required or named tool choice cannot be combined with response_format or guided_*",
+                        param="tool_choice",
+                    )
+                spec = forced
             if spec is None:
                 return None
             compiler = self.grammars
