@@ -102,7 +102,11 @@ class ToyTokenizer:
         return "".join(chr(0x40 + t) for t in ids if not (skip_special_tokens and t == EOS))
 
 
-def toy_engine(*, page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64, caching=True, max_model_len=4096):
+def toy_engine(
+    *, page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64, caching=True, max_model_len=4096,
+    connector=None, connector_options=None,
+):
+    """``connector(layout) -> KVConnector``: attach a KV connector."""
     cfg = ModelConfig(
         architecture="Toy", vocab_size=VOCAB, hidden_size=1, num_layers=1, num_heads=1, num_kv_heads=1,
         head_dim=1, max_model_len=max_model_len, eos_token_ids=(EOS,),
@@ -111,6 +115,15 @@ def toy_engine(*, page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tok
         ToyModel(), TOY_OPS, cfg, device=torch.device("cpu"), dtype=torch.float64, num_pages=num_pages, page_size=page_size
     )
     kv = KVCacheManager(BlockPool(num_pages, page_size, enable_caching=caching), copy_pages=runner.copy_pages)
+    if connector is not None:
+        from plinth.engine.kv_transfer import HEADER_BYTES, KVTransfer
+        from plinth.hookspecs import KVLayout
+
+        pb = runner.page_bytes()
+        layout = KVLayout(model_id="toy", fingerprint=f"toy-{page_size}", page_size=page_size, page_bytes=pb, value_bytes=HEADER_BYTES + pb)
+        kv.connector = KVTransfer(
+            connector(layout), layout, read_pages=runner.read_pages, write_pages=runner.write_pages, options=connector_options
+        )
     sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return LLMEngine(runner=runner, tokenizer=ToyTokenizer(), model_config=cfg, scheduler=sched, max_model_len=max_model_len)
 

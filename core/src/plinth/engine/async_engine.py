@@ -201,7 +201,7 @@ class AsyncLLM:
                     self._deliver(rid, EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
             for out in outputs:
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, EngineError(out.error) if out.error else out)
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
             self._deliver(rid, EngineError("the engine shut down"))

@@ -139,13 +139,20 @@ class LLMEngine:
         moved (including those that finished)."""
         batch = self.scheduler.schedule()
         touched: dict[str, Request] = {}
-        for seq in batch.evicted:  # can never fit in the KV pool
+        for seq in batch.evicted:  # can never fit in the KV pool, or failed to load its KV
             touched[seq.request.request_id] = seq.request
-            if seq.request.finished:
+            if seq.request.error is not None:
+                for other in seq.request.seqs:
+                    if not other.finished:
+                        self.scheduler.finish(other, "error")
+                self.requests.pop(seq.request.request_id, None)
+            if seq.request.finished or seq.request.error is not None:
                 seq.request.finished_time = time.monotonic()
         if batch.seqs:
             self.num_steps += 1
             self._run(batch, touched)
+        elif self.kv.connector is not None and self.kv.connector.pending():
+            self.kv.connector.wait(0.01)  # only KV lookups in flight: do not spin
         outputs = []
         for req in touched.values():
             out = self._request_output(req)
@@ -310,6 +317,7 @@ class LLMEngine:
             num_external_cached_tokens=req.num_external_cached_tokens,
             metrics=metrics,
             prompt_logprobs=req.prompt_logprobs,
+            error=req.error,
         )
 
     # ---- introspection -------------------------------------------------------------

@@ -103,7 +103,11 @@ class KVCacheManager:
         local = self.pool.lookup(seq.page_hashes[:usable])
         external: list[int] = []
         if self.connector is not None and len(local) < usable:
-            got = self.connector.lookup(seq, seq.page_hashes[len(local) : usable])
+            try:
+                got = self.connector.lookup(seq, len(local), seq.page_hashes[len(local) : usable])
+            except Exception:
+                self.pool.release(local)  # under the fail policy: the scheduler ends the request
+                raise
             if got is None:  # in flight: hold nothing meanwhile
                 self.pool.release(local)
                 return None
@@ -130,8 +134,10 @@ class KVCacheManager:
             return []
         pages = self.pool.allocate(n)
         self.connector.write_pages(pages, payloads[:n])
-        for j, p in enumerate(pages):
-            self.pool.register(p, seq.page_hashes[first + j])
+        hashes = seq.page_hashes[first : first + n]
+        for p, h in zip(pages, hashes):
+            self.pool.register(p, h)
+        self.connector.remember(hashes)
         return pages
 
     def undo_computed(self, seq: "Seq") -> None:
@@ -160,6 +166,8 @@ class KVCacheManager:
         pages = self._pages.pop(seq.seq_id, None)
         if pages:
             self.pool.release(pages)
+        if self.connector is not None:
+            self.connector.forget(seq)
 
     def fork(self, parent: "Seq", child: "Seq") -> bool:
         """``child`` continues from ``parent``'s computed tokens: it shares the
@@ -198,7 +206,14 @@ class KVCacheManager:
         for j in range(before, after):
             self.pool.register(pages[j], seq.page_hashes[j])
             done.append((pages[j], seq.page_hashes[j]))
+        if self.connector is not None:
+            self.connector.pages_computed(done)
         return done
+
+    def end_step(self) -> None:
+        """After a step's forward: hand the pages that became full to the connector."""
+        if self.connector is not None:
+            self.connector.end_step()
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
@@ -207,7 +222,9 @@ class KVCacheManager:
         return self.pool.usage()
 
     def stats(self) -> dict[str, Any]:
+        extra = self.connector.stats() if self.connector is not None else {}
         return {
+            **extra,
             "num_pages": self.pool.num_pages,
             "free_pages": self.pool.num_free,
             "page_size": self.page_size,

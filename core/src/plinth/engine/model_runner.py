@@ -50,6 +50,62 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        self.page_dims = self._find_page_dims(heads, v_dim)
+
+    def _find_page_dims(self, heads: int, v_dim: int) -> list[int | None]:
+        """The page dimension of each tensor of a layer's cache, found by
+        allocating two tiny caches that differ only in their page count (the
+        backend owns the layout; every page is one index of one dimension)."""
+        kw = dict(page_size=self.page_size, num_kv_heads=heads, head_dim=self.cfg.head_dim, v_head_dim=v_dim, dtype=self.dtype, device=self.device)
+        a = self.ops.allocate_kv_cache(num_pages=2, **kw)
+        b = self.ops.allocate_kv_cache(num_pages=3, **kw)
+        dims: list[int | None] = []
+        for x, y in zip(a, b):
+            if x is None:
+                dims.append(None)
+                continue
+            diff = [d for d in range(x.dim()) if x.shape[d] != y.shape[d]]
+            dims.append(diff[0] if len(diff) == 1 and x.shape[diff[0]] == 2 else -1)
+        return dims
+
+    def _page_tensors(self):
+        for layer in self.kv_caches:
+            for t, dim in zip(layer, self.page_dims):
+                if t is not None:
+                    if dim is None or dim < 0:
+                        raise RuntimeError("this backend's KV layout has no page dimension: pages cannot be saved or loaded")
+                    yield t, dim
+
+    def page_bytes(self) -> int:
+        """Bytes of one page across every layer, as read_pages returns them."""
+        return sum(t.numel() // t.shape[dim] * t.element_size() for t, dim in self._page_tensors())
+
+    def page_shapes(self) -> list[tuple[int, ...]]:
+        """One page's shape in each tensor (part of the KV layout's identity)."""
+        return [tuple(t.movedim(dim, 0).shape[1:]) for t, dim in self._page_tensors()]
+
+    @torch.inference_mode()
+    def read_pages(self, pages: Seq[int]) -> torch.Tensor:
+        """A CPU copy of whole pages: uint8 [len(pages), page_bytes]."""
+        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        parts = []
+        for t, dim in self._page_tensors():
+            x = t.index_select(dim, idx).movedim(dim, 0).contiguous().cpu()
+            parts.append(x.view(len(pages), -1).view(torch.uint8))
+        return torch.cat(parts, dim=1)
+
+    @torch.inference_mode()
+    def write_pages(self, pages: Seq[int], data: torch.Tensor) -> None:
+        """Fill whole pages from what read_pages returned."""
+        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        off = 0
+        n = len(pages)
+        for t, dim in self._page_tensors():
+            shape = t.movedim(dim, 0).shape[1:]
+            nbytes = t.numel() // t.shape[dim] * t.element_size()
+            chunk = data[:, off : off + nbytes].contiguous().view(t.dtype).view(n, *shape)
+            t.index_copy_(dim, idx, chunk.movedim(0, dim).to(t.device))
+            off += nbytes
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
         ps = self.page_size

@@ -51,3 +51,4 @@ class RequestOutput:
     num_external_cached_tokens: int = 0  # of those, loaded through the KV connector
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times (monotonic)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None: nothing precedes it
+    error: str | None = None  # the request failed (e.g. its KV could not be loaded under the fail policy)

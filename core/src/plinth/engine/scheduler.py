@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plinth.engine.kv_cache_manager import KVCacheManager
+from plinth.engine.kv_transfer import KVTransferError
 from plinth.engine.sequence import SeqStatus, Sequence
 
 
@@ -147,9 +148,18 @@ class Scheduler:
         deferred: list[Sequence] = []  # KV-connector lookups still in flight
         while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if kv.num_pages_of(seq) == 0 and kv.get_computed_tokens(seq) is None:
-                deferred.append(self.waiting.popleft())  # ask again next step
-                continue
+            if kv.num_pages_of(seq) == 0:
+                try:
+                    computed = kv.get_computed_tokens(seq)
+                except KVTransferError as exc:  # the fail policy: the request ends with the error
+                    self.waiting.popleft()
+                    seq.request.error = str(exc)
+                    self.finish(seq, "error")
+                    batch.evicted.append(seq)
+                    continue
+                if computed is None:
+                    deferred.append(self.waiting.popleft())  # a KV-connector lookup in flight: ask again next step
+                    continue
             n = min(seq.remaining, budget)
             reserve = self.watermark if self.running else 0
             if not kv.allocate_slots(seq, n, reserve=reserve):
@@ -180,3 +190,4 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.kv.cache_computed(seq, seq.num_computed + n)
             seq.num_computed += n
+        self.kv.end_step()

@@ -19,6 +19,7 @@ from plinth.engine.block_manager import BlockPool
 from plinth.engine.config import EngineConfig
 from plinth.engine.engine import LLMEngine
 from plinth.engine.kv_cache_manager import KVCacheManager
+from plinth.engine.kv_transfer import build_kv_transfer, connector_options
 from plinth.engine.model_runner import ModelRunner, kv_page_bytes
 from plinth.engine.model_source import locate_model
 from plinth.engine.scheduler import Scheduler
@@ -142,8 +143,6 @@ def _hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
 def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> LLMEngine:
     if config.tp != 1 or config.ep != 1:
         raise ConfigError("tensor and expert parallelism (tp/ep > 1) are not available in this build yet")
-    if config.kv_connector:
-        raise ConfigError("KV connectors are not available in this build yet")
     registry = registry or PluginRegistry.discover()
     options = dict(config.plugin_options)
 
@@ -206,6 +205,11 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
         hash_seed=_hash_seed(source, model_cfg),
         copy_pages=runner.copy_pages,
     )
+    connector_name, connector_opts = connector_options(config.kv_connector, config.kv_connector_config)
+    if connector_name:
+        kv.connector = build_kv_transfer(
+            registry, connector_name, connector_opts, ctx, runner, model_id=f"{_hash_seed(source, model_cfg):016x}"
+        )
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
     components = Components(
         config=config,

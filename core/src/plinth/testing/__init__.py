@@ -28,6 +28,7 @@ category       function                                    pytest base class
 (every one)    ``check_registration``, ``check_cheap_import``  ``PluginConformance``
 accelerator    ``check_accelerator``                       ``AcceleratorConformance``
 backend        ``check_backend``                           ``BackendConformance``
+kv_connector   ``check_kv_connector``                      ``KVConnectorConformance``
 =============  ==========================================  ===========================
 
 Extension points. A later category adds a module here (``a2a.py``:
@@ -49,8 +50,14 @@ from typing import Any
 from plinth.testing._report import ConformanceError, Report
 from plinth.testing.accelerator import AcceleratorReport, check_accelerator
 from plinth.testing.backend import check_backend
-from plinth.testing.conformance import AcceleratorConformance, BackendConformance, PluginConformance
+from plinth.testing.conformance import (
+    AcceleratorConformance,
+    BackendConformance,
+    KVConnectorConformance,
+    PluginConformance,
+)
 from plinth.testing.isolated import IsolatedEnv
+from plinth.testing.kv_connector import check_kv_connector
 from plinth.testing.registration import (
     FORBIDDEN_AT_CHECK,
     FORBIDDEN_AT_ENTRY_POINT,
@@ -64,6 +71,7 @@ from plinth.testing.registration import (
 CATEGORY_CHECKS: dict[str, Callable[..., Report]] = {
     "accelerator": check_accelerator,
     "backend": check_backend,
+    "kv_connector": check_kv_connector,
 }
 
 
@@ -88,11 +96,13 @@ __all__ = [
     "BackendConformance",
     "ConformanceError",
     "IsolatedEnv",
+    "KVConnectorConformance",
     "PluginConformance",
     "Report",
     "check_accelerator",
     "check_backend",
     "check_cheap_import",
+    "check_kv_connector",
     "check_plugin",
     "check_registration",
     "discover_all",

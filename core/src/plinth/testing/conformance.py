@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from plinth.testing.accelerator import check_accelerator
 from plinth.testing.backend import check_backend
+from plinth.testing.kv_connector import check_kv_connector
 from plinth.testing.registration import check_cheap_import, check_registration, discover_all
 
 
@@ -92,3 +93,18 @@ class BackendConformance(PluginConformance):
         report = check_backend(self.name, dtypes=self.dtypes)
         if not report.passed and report.skipped:
             _skip("; ".join(report.skipped))
+
+
+class KVConnectorConformance(PluginConformance):
+    """The registration checks plus the KV-connector round trips. Override
+    ``connector_config`` to point the plugin at a store (a fixture's)."""
+
+    category: ClassVar[str] = "kv_connector"
+    deadline_s: ClassVar[float] = 0.5
+
+    def connector_config(self) -> dict[str, Any]:
+        return {}
+
+    def test_round_trips_and_faults(self) -> None:
+        """save/lookup/load; corrupt, truncated, foreign values missed; a store that raises or stalls never stalls."""
+        check_kv_connector(self.name, config=self.connector_config(), deadline_s=self.deadline_s)

@@ -1,0 +1,1 @@
+"""plinth KV connector ``local``: CPU memory, then disk."""
