@@ -338,3 +338,91 @@ def test_sampler_adds_the_bias():
     ]
     tokens, _ = Sampler()(logits, rows)
     assert tokens == [7, 3]
+
+
+# ---------------------------------------------------------------------------
+# Anthropic messages
+# ---------------------------------------------------------------------------
+
+A_WEATHER = {"name": "get_weather", "description": "The weather", "input_schema": WEATHER["function"]["parameters"]}
+A_TIME = {"name": "get_time", "input_schema": TIME["function"]["parameters"]}
+
+
+def test_anthropic_tool_use(claude):
+    msg = claude.messages.create(model=MODEL, max_tokens=200, tools=[A_WEATHER, A_TIME], messages=user("KEY-CALL"))
+    assert msg.stop_reason == "tool_use"
+    text, use = msg.content
+    assert text.type == "text" and text.text == "Let me look."
+    assert use.type == "tool_use" and use.id.startswith("toolu_") and use.name == "get_weather"
+    assert use.input == {"city": "Paris", "days": 2}
+
+
+def test_anthropic_tool_use_streamed(claude):
+    with claude.messages.stream(model=MODEL, max_tokens=200, tools=[A_WEATHER, A_TIME], messages=user("KEY-PAIR")) as stream:
+        kinds = [e.type for e in stream]
+        msg = stream.get_final_message()
+    assert "input_json" in kinds  # the client's event for an input_json_delta
+    assert msg.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in msg.content] == [
+        ("tool_use", "get_weather", {"city": "Paris", "days": 2}),
+        ("tool_use", "get_time", {"tz": "CET"}),
+    ]
+    assert len({b.id for b in msg.content}) == 2
+
+
+def test_anthropic_tool_result_round_trip(claude, srv):
+    first = claude.messages.create(model=MODEL, max_tokens=200, tools=[A_WEATHER], messages=user("KEY-CALL"))
+    use = first.content[-1]
+    messages = user("KEY-CALL") + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "KEY-RESULT 21C"}]},
+    ]
+    msg = claude.messages.create(model=MODEL, max_tokens=100, tools=[A_WEATHER], messages=messages)
+    assert msg.stop_reason == "end_turn" and msg.content[0].text == SCRIPTS["KEY-RESULT"]
+    n = claude.messages.count_tokens(model=MODEL, tools=[A_WEATHER], messages=messages).input_tokens
+    assert n == msg.usage.input_tokens
+
+
+def test_anthropic_thinking(claude):
+    msg = claude.messages.create(model=MODEL, max_tokens=100, messages=user("KEY-REASON"))
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert msg.content[0].thinking == "Blue is common." and msg.content[1].text == "Blue."
+    with claude.messages.stream(model=MODEL, max_tokens=300, messages=user("KEY-THINK"), tools=[A_WEATHER]) as stream:
+        kinds = {e.type for e in stream}
+        final = stream.get_final_message()
+    assert "thinking" in kinds
+    assert [b.type for b in final.content] == ["thinking", "tool_use"]
+    assert final.content[0].thinking.strip() == "The user wants the weather."
+    assert final.content[1].input == {"city": "Paris", "days": 2} and final.stop_reason == "tool_use"
+
+
+def test_anthropic_forced_tool(claude):
+    for choice in ({"type": "tool", "name": "get_time"}, {"type": "any", "disable_parallel_tool_use": True}):
+        for stream in (False, True):
+            kwargs = dict(model=MODEL, max_tokens=200, tools=[A_WEATHER, A_TIME], tool_choice=choice, messages=user("anything"))
+            if stream:
+                with claude.messages.stream(**kwargs) as s:
+                    msg = s.get_final_message()
+            else:
+                msg = claude.messages.create(**kwargs)
+            assert msg.stop_reason == "tool_use"
+            (use,) = msg.content
+            if choice["type"] == "tool":
+                assert use.name == "get_time"
+            schema = (A_WEATHER if use.name == "get_weather" else A_TIME)["input_schema"]
+            jsonschema.validate(use.input, schema)
+
+
+def test_anthropic_bad_tools_are_400(srv):
+    cases = [
+        {"tool_choice": {"type": "tool", "name": "nope"}, "tools": [A_WEATHER]},
+        {"tool_choice": {"type": "any"}},
+        {"tool_choice": {"type": "sometimes"}, "tools": [A_WEATHER]},
+        {"tools": [{"name": "f", "input_schema": {"type": 3}}]},
+        {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": 3, "input": {}}]}]},
+    ]
+    for extra in cases:
+        body = {"model": MODEL, "max_tokens": 5, "messages": user("hi"), **extra}
+        r = httpx.post(srv.url + "/v1/messages", json=body, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["type"] == "error"

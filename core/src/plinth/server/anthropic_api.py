@@ -20,12 +20,15 @@ from plinth.server.errors import APIError, engine_exception
 from plinth.server.protocol import (
     AnthropicMessage,
     AnthropicTextBlock,
+    AnthropicThinkingBlock,
+    AnthropicToolUseBlock,
     AnthropicUsage,
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
     ContentBlockStopEvent,
     CountTokensRequest,
     CountTokensResponse,
+    InputJSONDelta,
     MessageDelta,
     MessageDeltaEvent,
     MessageDeltaUsage,
@@ -34,7 +37,9 @@ from plinth.server.protocol import (
     MessageStartEvent,
     MessageStopEvent,
     PingEvent,
+    SignatureDelta,
     TextDelta,
+    ThinkingDelta,
 )
 from plinth.server.serving import (
     ChoiceCursor,
@@ -46,29 +51,29 @@ from plinth.server.serving import (
     sse_event,
     until_disconnect,
 )
+from plinth.server.tools import (
+    OutputParser,
+    ToolPlan,
+    anthropic_tools,
+    arguments_object,
+    call_id,
+    plan_tools,
+    template_tools,
+)
 
 
-def _block_text(block: Any, where: str) -> str | None:
-    """The text of one content block (None: a block that adds nothing)."""
-    kind = block.type
-    if kind == "text":
-        return block.text or ""
-    if kind == "tool_result":
-        content = block.content
-        if content is None:
-            return ""
-        if isinstance(content, str):
-            return content
-        return "\n".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
-    if kind == "tool_use":
-        extra = block.model_extra or {}
-        return json.dumps({"name": extra.get("name"), "input": extra.get("input")})
-    if kind in ("thinking", "redacted_thinking"):
-        return None
-    raise APIError.bad_request(f"content blocks of type {kind!r} are not supported (text only)", param=where)
+def _result_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
 
 
-def anthropic_messages(system: Any, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+def anthropic_messages(system: Any, messages: list[AnthropicMessage], *, native_tool_calls: bool = True) -> list[dict[str, Any]]:
+    """Anthropic messages as the chat template expects them: ``tool_use``
+    blocks become the assistant's tool_calls (JSON text for a template that
+    has none), each ``tool_result`` a ``tool`` message, thinking is dropped."""
     systems: list[str] = []
     if isinstance(system, str):
         if system:
@@ -78,13 +83,51 @@ def anthropic_messages(system: Any, messages: list[AnthropicMessage]) -> list[di
     convo: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if isinstance(m.content, str):
-            text = m.content
-        else:
-            parts = [_block_text(b, f"messages.{i}.content.{j}.type") for j, b in enumerate(m.content)]
-            text = "\n".join(p for p in parts if p is not None)
+            if m.role == "system":
+                systems.append(m.content)
+            else:
+                convo.append({"role": m.role, "content": m.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, b in enumerate(m.content):
+            extra = b.model_extra or {}
+            if b.type == "text":
+                texts.append(b.text or "")
+            elif b.type == "tool_use":
+                if not isinstance(extra.get("name"), str) or not isinstance(extra.get("input", {}), dict):
+                    raise APIError.bad_request("a tool_use block needs a name and an input object", param=f"messages.{i}.content.{j}")
+                calls.append(
+                    {"id": extra.get("id") or "", "type": "function", "function": {"name": extra["name"], "arguments": extra.get("input") or {}}}
+                )
+            elif b.type == "tool_result":
+                if texts:  # keep the order of what the user said and the results
+                    convo.append({"role": m.role, "content": "\n".join(texts)})
+                    texts = []
+                text = _result_text(b.content)
+                if extra.get("is_error"):
+                    text = f"error: {text}"
+                convo.append({"role": "tool", "tool_call_id": extra.get("tool_use_id") or "", "content": text})
+            elif b.type in ("thinking", "redacted_thinking"):
+                continue
+            else:
+                raise APIError.bad_request(
+                    f"content blocks of type {b.type!r} are not supported (text, tool_use, tool_result, thinking)",
+                    param=f"messages.{i}.content.{j}.type",
+                )
+        text = "\n".join(texts)
         if m.role == "system":
             systems.append(text)
-        else:
+            continue
+        if calls:
+            msg: dict[str, Any] = {"role": m.role, "content": text}
+            if native_tool_calls:
+                msg["tool_calls"] = calls
+            else:
+                shown = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) for c in calls)
+                msg["content"] = f"{text}\n{shown}" if text else shown
+            convo.append(msg)
+        elif texts or not any(b.type == "tool_result" for b in m.content):
             convo.append({"role": m.role, "content": text})
     if not convo:
         raise APIError.bad_request("messages must hold at least one user or assistant message", param="messages")
@@ -93,8 +136,20 @@ def anthropic_messages(system: Any, messages: list[AnthropicMessage]) -> list[di
     return convo
 
 
-def stop_reason(c: CompletionOutput, stop_sequences: list[str]) -> tuple[str | None, str | None]:
+def tool_plan(req: MessagesRequest) -> ToolPlan:
+    tools = anthropic_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
+    tc = req.tool_choice
+    mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc.type] if tc else None
+    if mode == "named" and not tc.name:
+        raise APIError.bad_request('tool_choice {"type": "tool"} needs a name', param="tool_choice.name")
+    parallel = not (tc and tc.disable_parallel_tool_use)
+    return plan_tools(tools, mode, tc.name if tc else None, parallel)
+
+
+def stop_reason(c: CompletionOutput, stop_sequences: list[str], called: bool = False) -> tuple[str | None, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for a finished choice."""
+    if called and c.finish_reason == "stop":
+        return "tool_use", None
     if c.finish_reason == "length":
         return "max_tokens", None
     if isinstance(c.stop_reason, str) and c.stop_reason in stop_sequences:
@@ -108,8 +163,9 @@ class AnthropicServing:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def _prompt(self, system: Any, messages: list[AnthropicMessage]) -> tuple[str, list[int]]:
-        text, ids = self.ctx.chat_prompt(anthropic_messages(system, messages))
+    def _prompt(self, system: Any, messages: list[AnthropicMessage], plan: ToolPlan | None = None) -> tuple[str, list[int]]:
+        convo = anthropic_messages(system, messages, native_tool_calls=self.ctx.native_tool_calls)
+        text, ids = self.ctx.chat_prompt(convo, tools=template_tools(plan.tools) if plan and plan.tools else None)
         if not ids:
             raise APIError.bad_request("the chat template made an empty prompt", param="messages")
         return text, ids
@@ -128,7 +184,8 @@ class AnthropicServing:
 
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
         self.ctx.check_model(req.model)
-        _, ids = self._prompt(req.system, req.messages)
+        tools = anthropic_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
+        _, ids = self._prompt(req.system, req.messages, ToolPlan(tools=tools))
         return CountTokensResponse(input_tokens=len(ids))
 
     async def messages(self, req: MessagesRequest, raw: Request) -> Response:
@@ -137,29 +194,34 @@ class AnthropicServing:
         stops = list(req.stop_sequences or [])
         if any(not s for s in stops):
             raise APIError.bad_request("stop_sequences must not hold empty strings", param="stop_sequences")
-        text, ids = self._prompt(req.system, req.messages)
-        grammar = await ctx.grammar(self._response_format(req))
+        plan = tool_plan(req)
+        text, ids = self._prompt(req.system, req.messages, plan)
+        grammar = await ctx.grammar(self._response_format(req), forced=plan.grammar)
         params = ctx.sampling_params(
             max_tokens=req.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             stop=stops,
+            skip_special_tokens=not ctx.needs_special_tokens(plan),
         )
         params.grammar = grammar
+        thinking = not (req.thinking and req.thinking.get("type") == "disabled")
+        op = ctx.output_parser(plan, text, reasoning=thinking, id_prefix="toolu_")
         mid = random_id("msg_")
         gen = await ctx.start(ids, params, mid, text)
         if req.stream:
-            return SSEResponse(self._stream(req, mid, model, gen, stops), generations=[gen])
+            return SSEResponse(self._stream(req, mid, model, gen, stops, op), generations=[gen])
         try:
             (final,) = await until_disconnect(raw, self._collect(gen))
         except ClientDisconnected:
             return Response(status_code=499)
         c = final.outputs[0]
-        reason, seq = stop_reason(c, stops)
+        blocks, called = self._blocks(c.text, op)
+        reason, seq = stop_reason(c, stops, called)
         resp = MessagesResponse(
             id=mid,
-            content=[AnthropicTextBlock(text=c.text)],
+            content=blocks,
             model=model,
             stop_reason=reason,
             stop_sequence=seq,
@@ -171,17 +233,34 @@ class AnthropicServing:
         )
         return JSONResponse(resp.model_dump())
 
+    @staticmethod
+    def _blocks(text: str, op: OutputParser) -> tuple[list[Any], bool]:
+        if not op.active:
+            return [AnthropicTextBlock(text=text)], False
+        parsed = op.parse(text, final=True)
+        blocks: list[Any] = []
+        if parsed.reasoning:
+            blocks.append(AnthropicThinkingBlock(thinking=parsed.reasoning))
+        if parsed.content or not parsed.calls:
+            blocks.append(AnthropicTextBlock(text=parsed.content))
+        for cid, call in zip(op.call_ids(parsed.calls), parsed.calls, strict=True):
+            blocks.append(AnthropicToolUseBlock(id=cid, name=call.name, input=arguments_object(call.arguments)))
+        return blocks, bool(parsed.calls)
+
     async def _collect(self, gen: Generation) -> list[RequestOutput]:
         final = None
         async for out in gen.outputs():
             final = out
         return [final]
 
-    async def _stream(self, req: MessagesRequest, mid: str, model: str, gen: Generation, stops: list[str]) -> AsyncIterator[str]:
+    async def _stream(
+        self, req: MessagesRequest, mid: str, model: str, gen: Generation, stops: list[str], op: OutputParser
+    ) -> AsyncIterator[str]:
         def event(obj: Any) -> str:
             return sse_event(obj.type, obj.model_dump_json())
 
         cursor = ChoiceCursor()
+        blocks = _BlockWriter(event)
         stream = gen.outputs()
         started = False
         try:
@@ -202,17 +281,23 @@ class AnthropicServing:
                             )
                         )
                     )
-                    yield event(ContentBlockStartEvent(index=0, content_block=AnthropicTextBlock(text="")))
+                    if not op.active:  # plain text: the block opens at once, as before
+                        yield blocks.open("text")
                     yield event(PingEvent())
                 if not out.outputs:
                     continue
                 c = out.outputs[0]
                 delta, _, _ = cursor.advance(c.text, len(c.token_ids), c.finished, stops)
-                if delta:
-                    yield event(ContentBlockDeltaEvent(index=0, delta=TextDelta(text=delta)))
+                if op.active:
+                    for e in blocks.write(op.delta(c.text[: cursor.text_len], final=c.finished)):
+                        yield e
+                elif delta:
+                    yield event(ContentBlockDeltaEvent(index=blocks.index, delta=TextDelta(text=delta)))
                 if c.finished:
-                    reason, seq = stop_reason(c, stops)
-                    yield event(ContentBlockStopEvent(index=0))
+                    reason, seq = stop_reason(c, stops, op.num_calls > 0)
+                    if blocks.kind is None and blocks.index < 0:
+                        yield blocks.open("text")  # an empty answer still has its text block
+                    yield from_list(blocks.close())
                     yield event(
                         MessageDeltaEvent(
                             delta=MessageDelta(stop_reason=reason, stop_sequence=seq),
@@ -222,7 +307,7 @@ class AnthropicServing:
                     yield event(MessageStopEvent())
                     return
             if started:  # ended without a finish (the engine shut down): close the message anyway
-                yield event(ContentBlockStopEvent(index=0))
+                yield from_list(blocks.close())
                 yield event(
                     MessageDeltaEvent(
                         delta=MessageDelta(stop_reason="end_turn"), usage=MessageDeltaUsage(output_tokens=cursor.tokens)
@@ -234,6 +319,60 @@ class AnthropicServing:
             yield sse_event("error", json.dumps(err.anthropic_body()))
         finally:
             await stream.aclose()
+
+
+def from_list(events: list[str]) -> str:
+    return "".join(events)
+
+
+class _BlockWriter:
+    """Content blocks of a streamed message, one open at a time: thinking,
+    then text, then one tool_use block per call (a new kind closes the open
+    block and starts the next index)."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        self.index = -1
+        self.kind: str | None = None
+        self.call = -1
+
+    def open(self, kind: str, block: Any = None) -> str:
+        out = self.close_one()
+        self.index += 1
+        self.kind = kind
+        if block is None:
+            block = AnthropicThinkingBlock(thinking="") if kind == "thinking" else AnthropicTextBlock(text="")
+        return out + self.event(ContentBlockStartEvent(index=self.index, content_block=block))
+
+    def close_one(self) -> str:
+        if self.kind is None:
+            return ""
+        out = ""
+        if self.kind == "thinking":
+            out += self.event(ContentBlockDeltaEvent(index=self.index, delta=SignatureDelta()))
+        self.kind = None
+        return out + self.event(ContentBlockStopEvent(index=self.index))
+
+    def close(self) -> list[str]:
+        return [self.close_one()]
+
+    def write(self, d: Any) -> list[str]:
+        out: list[str] = []
+        if d.reasoning:
+            if self.kind != "thinking":
+                out.append(self.open("thinking"))
+            out.append(self.event(ContentBlockDeltaEvent(index=self.index, delta=ThinkingDelta(thinking=d.reasoning))))
+        if d.content:
+            if self.kind != "text":
+                out.append(self.open("text"))
+            out.append(self.event(ContentBlockDeltaEvent(index=self.index, delta=TextDelta(text=d.content))))
+        for cd in d.calls:
+            if cd.name is not None:
+                self.call = cd.index
+                out.append(self.open("tool_use", AnthropicToolUseBlock(id=cd.id or call_id("toolu_"), name=cd.name, input={})))
+            if cd.arguments and self.kind == "tool_use" and cd.index == self.call:
+                out.append(self.event(ContentBlockDeltaEvent(index=self.index, delta=InputJSONDelta(partial_json=cd.arguments))))
+        return out
 
 
 def router(serving: AnthropicServing) -> APIRouter:

@@ -19,7 +19,7 @@ log = logging.getLogger("plinth.server")
 #: the server's own options: kept out of the engine's plugin_options
 SERVER_OPTIONS = (
     "host", "port", "api_key", "served_model_name", "enable_metrics", "max_request_body_size",
-    "max_waiting_requests", "uvicorn_log_level",
+    "max_waiting_requests", "uvicorn_log_level", "tool_call_parser", "reasoning_parser",
 )  # fmt: skip
 
 
@@ -43,6 +43,20 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         "--max-waiting-requests", type=int, default=4096, metavar="N", help="requests allowed to wait; beyond, 503 + Retry-After"
     )
     g.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)")
+    # the names are plugin registrations (`platform plugins`): checked at start-up, with every candidate's reasons
+    g.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        metavar="NAME",
+        help="how tool calls are read out of the output: a registered tool_parser (hermes, llama3_json, mistral, ...), "
+        "auto (from the chat template) or none (default: auto)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        metavar="NAME",
+        help="how reasoning is split from the answer: a registered reasoning_parser (qwen3, deepseek_r1), auto or none (default: auto)",
+    )
 
 
 def default_model_name(model: str | None) -> str:
@@ -114,6 +128,9 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             max_request_body_bytes=args.max_request_body_size,
             enable_metrics=args.enable_metrics,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+            registry=registry,
         )
         app = build_app(engine, settings)
         host = f"[{args.host}]" if ":" in args.host else args.host

@@ -27,15 +27,14 @@ from plinth.server.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
-    ModelCard,
     FunctionCall,
+    ModelCard,
     ModelList,
     PromptTokensDetails,
     ToolCall,
     TopLogprob,
     Usage,
 )
-from plinth.server.tools import OutputParser, arguments_object, openai_tools, plan_tools, template_tools
 from plinth.server.serving import (
     ChoiceCursor,
     ClientDisconnected,
@@ -49,6 +48,7 @@ from plinth.server.serving import (
     sse,
     until_disconnect,
 )
+from plinth.server.tools import OutputParser, arguments_object, openai_tools, plan_tools, template_tools
 
 MAX_TOP_LOGPROBS = 20
 

@@ -324,6 +324,36 @@ class AnthropicTextBlock(_Request):
     text: str
 
 
+class AnthropicThinkingBlock(_Response):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    #: Anthropic signs its thinking; a local model's is unsigned
+    signature: str = ""
+
+
+class AnthropicToolUseBlock(_Response):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+AnthropicOutputBlock = AnthropicTextBlock | AnthropicThinkingBlock | AnthropicToolUseBlock
+
+
+class AnthropicTool(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: Literal["custom"] | None = None
+
+
+class AnthropicToolChoice(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
 class MessagesRequest(_Request):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -335,8 +365,11 @@ class MessagesRequest(_Request):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    #: {"type": "enabled", "budget_tokens": N} | {"type": "disabled"}: with "disabled"
+    #: reasoning is left in the text (the template decides whether the model thinks)
+    thinking: dict[str, Any] | None = None
     #: structured outputs: {"format": {"type": "json_schema", "schema": {...}}}
     output_config: dict[str, Any] | None = None
     output_format: dict[str, Any] | None = None
@@ -346,7 +379,7 @@ class CountTokensRequest(_Request):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicTextBlock] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
 
 
 class CountTokensResponse(_Response):
@@ -364,9 +397,9 @@ class MessagesResponse(_Response):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[AnthropicTextBlock]
+    content: list[AnthropicOutputBlock]
     model: str
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None = None
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None = None
     stop_sequence: str | None = None
     usage: AnthropicUsage
 
@@ -379,7 +412,7 @@ class MessageStartEvent(_Response):
 class ContentBlockStartEvent(_Response):
     type: Literal["content_block_start"] = "content_block_start"
     index: int = 0
-    content_block: AnthropicTextBlock
+    content_block: AnthropicOutputBlock
 
 
 class PingEvent(_Response):
@@ -391,10 +424,25 @@ class TextDelta(_Response):
     text: str
 
 
+class ThinkingDelta(_Response):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(_Response):
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str = ""
+
+
+class InputJSONDelta(_Response):
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
 class ContentBlockDeltaEvent(_Response):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int = 0
-    delta: TextDelta
+    delta: TextDelta | ThinkingDelta | SignatureDelta | InputJSONDelta
 
 
 class ContentBlockStopEvent(_Response):
@@ -403,7 +451,7 @@ class ContentBlockStopEvent(_Response):
 
 
 class MessageDelta(_Response):
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None = None
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None = None
     stop_sequence: str | None = None
 
 
