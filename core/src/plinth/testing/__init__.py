@@ -28,6 +28,7 @@ category       function                                    pytest base class
 (every one)    ``check_registration``, ``check_cheap_import``  ``PluginConformance``
 accelerator    ``check_accelerator``                       ``AcceleratorConformance``
 backend        ``check_backend``                           ``BackendConformance``
+a2a            ``check_a2a``                               ``A2AConformance``
 kv_connector   ``check_kv_connector``                      ``KVConnectorConformance``
 =============  ==========================================  ===========================
 
@@ -48,8 +49,11 @@ from collections.abc import Callable
 from typing import Any
 
 from plinth.testing._report import ConformanceError, Report
+from plinth.testing.a2a import check_a2a
 from plinth.testing.accelerator import AcceleratorReport, check_accelerator
 from plinth.testing.backend import check_backend
+from plinth.testing.conformance import A2AConformance
+from plinth.testing.distributed import run_ranks
 from plinth.testing.conformance import (
     AcceleratorConformance,
     BackendConformance,
@@ -69,6 +73,7 @@ from plinth.testing.registration import (
 #: category -> its check function ``(name, **kwargs) -> Report``; later
 #: categories add theirs (see the module docstring).
 CATEGORY_CHECKS: dict[str, Callable[..., Report]] = {
+    "a2a": check_a2a,
     "accelerator": check_accelerator,
     "backend": check_backend,
     "kv_connector": check_kv_connector,
@@ -91,6 +96,7 @@ __all__ = [
     "CATEGORY_CHECKS",
     "FORBIDDEN_AT_CHECK",
     "FORBIDDEN_AT_ENTRY_POINT",
+    "A2AConformance",
     "AcceleratorConformance",
     "AcceleratorReport",
     "BackendConformance",
@@ -99,6 +105,7 @@ __all__ = [
     "KVConnectorConformance",
     "PluginConformance",
     "Report",
+    "check_a2a",
     "check_accelerator",
     "check_backend",
     "check_cheap_import",
@@ -106,4 +113,5 @@ __all__ = [
     "check_plugin",
     "check_registration",
     "discover_all",
+    "run_ranks",
 ]

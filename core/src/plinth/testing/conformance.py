@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from plinth.testing.accelerator import check_accelerator
+from plinth.testing.a2a import check_a2a
 from plinth.testing.backend import check_backend
 from plinth.testing.kv_connector import check_kv_connector
 from plinth.testing.registration import check_cheap_import, check_registration, discover_all
@@ -91,6 +92,20 @@ class BackendConformance(PluginConformance):
 
     def test_ops_match_the_reference(self) -> None:
         report = check_backend(self.name, dtypes=self.dtypes)
+        if not report.passed and report.skipped:
+            _skip("; ".join(report.skipped))
+
+
+class A2AConformance(PluginConformance):
+    """The registration checks plus dispatch/combine round trips on real
+    processes (``worlds``: the group sizes), both layouts, uneven and empty
+    sends, experts with no tokens, float8 as bytes."""
+
+    category: ClassVar[str] = "a2a"
+    worlds: ClassVar[tuple[int, ...]] = (2, 4)
+
+    def test_dispatch_combine_round_trips(self) -> None:
+        report = check_a2a(self.name, worlds=self.worlds)
         if not report.passed and report.skipped:
             _skip("; ".join(report.skipped))
 
