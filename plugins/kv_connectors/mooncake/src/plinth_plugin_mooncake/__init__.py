@@ -1,0 +1,1 @@
+"""plinth KV connector ``mooncake``: Mooncake Store."""

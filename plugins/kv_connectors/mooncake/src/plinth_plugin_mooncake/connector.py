@@ -1,0 +1,159 @@
+"""The ``mooncake`` KV connector: pages in Mooncake Store.
+
+Configuration (the fields Mooncake's own vLLM/SGLang integrations use), from
+``--kv-connector-config``, else the JSON file named by ``config_path`` or
+``$MOONCAKE_CONFIG_PATH``:
+
+* ``metadata_server``: e.g. ``http://127.0.0.1:8080/metadata`` (the master's
+  built-in HTTP metadata server), or ``P2PHANDSHAKE``
+* ``master_server_address``: ``host:port`` of ``mooncake_master``
+* ``protocol``: ``tcp`` (default) or ``rdma``; ``device_name``: RDMA devices
+* ``global_segment_size``, ``local_buffer_size``: bytes this client
+  contributes to the store / uses for transfers (default 256 MiB / 128 MiB)
+* ``local_hostname``: this client's address (default 127.0.0.1)
+
+Mooncake answers with return codes, and a dead master makes each call block
+for seconds (see the project's FACTS): the core calls this class only off the
+step loop, under a deadline and a circuit breaker, so here a failure just
+raises. The client connects lazily and reconnects by itself: a store that is
+down at start-up is a degraded server, not a failed start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Sequence
+
+from plinth.api import ConfigError, KVConnector, SelectionContext
+
+log = logging.getLogger("plinth.kv_connector.mooncake")
+
+FIELDS = (
+    "metadata_server", "master_server_address", "protocol", "device_name", "global_segment_size",
+    "local_buffer_size", "local_hostname",
+)
+
+
+def load_config(options: dict[str, Any]) -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    path = options.get("config_path") or os.environ.get("MOONCAKE_CONFIG_PATH")
+    if path:
+        try:
+            with open(path) as f:
+                cfg.update(json.load(f))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"mooncake: cannot read the config file {path}: {exc}") from exc
+    cfg.update({k: v for k, v in options.items() if k in FIELDS})
+    missing = [k for k in ("metadata_server", "master_server_address") if not cfg.get(k)]
+    if missing:
+        raise ConfigError(
+            f"mooncake: {', '.join(missing)} not set (give them in --kv-connector-config, a JSON file "
+            "named by config_path or $MOONCAKE_CONFIG_PATH)"
+        )
+    cfg.setdefault("protocol", "tcp")
+    cfg.setdefault("device_name", "")
+    cfg.setdefault("global_segment_size", 256 << 20)
+    cfg.setdefault("local_buffer_size", 128 << 20)
+    cfg.setdefault("local_hostname", "127.0.0.1")
+    if cfg["protocol"] not in ("tcp", "rdma"):
+        raise ConfigError(f"mooncake: protocol must be tcp or rdma, got {cfg['protocol']!r}")
+    return cfg
+
+
+class MooncakeConnector(KVConnector):
+    @classmethod
+    def check(cls, ctx: SelectionContext) -> list[str]:
+        if importlib.util.find_spec("mooncake") is None:
+            return ["mooncake is not installed (pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1)"]
+        return []
+
+    def __init__(self, ctx: SelectionContext, *, config: Any, layout: Any) -> None:
+        super().__init__(ctx, config=config, layout=layout)
+        self.store_config = load_config(self.config)
+        deadline = float(self.config.get("deadline_s", 2.0))
+        # bound every client RPC as far as the client lets us (see FACTS: a dead master still blocks ~4 s)
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(100, int(deadline * 1000))))
+        if self.store_config["protocol"] == "tcp" and self.store_config["local_hostname"] in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        try:
+            from mooncake.store import MooncakeDistributedStore  # imported only when chosen
+        except ImportError as exc:  # a missing libibverbs.so.1 shows here
+            raise ConfigError(f"mooncake: cannot import mooncake.store: {exc} (apt-get install libibverbs1)") from exc
+        self._cls = MooncakeDistributedStore
+        self._store: Any = None
+        self._lock = threading.Lock()
+        self._last_attempt = 0.0
+
+    def _client(self) -> Any:
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            now = time.monotonic()
+            if now - self._last_attempt < 0.5:
+                raise ConnectionError("mooncake: not connected (retrying)")
+            self._last_attempt = now
+            c = self.store_config
+            store = self._cls()
+            rc = store.setup(
+                c["local_hostname"], c["metadata_server"], int(c["global_segment_size"]), int(c["local_buffer_size"]),
+                c["protocol"], c["device_name"], c["master_server_address"],
+            )
+            if rc != 0:
+                raise ConnectionError(f"mooncake: setup with master {c['master_server_address']} returned {rc}")
+            log.info("mooncake: connected to master %s", c["master_server_address"])
+            self._store = store
+            return store
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        found = self._client().batch_is_exist(list(keys))
+        n = 0
+        for r in found:
+            if r < 0:
+                if n == 0:
+                    raise ConnectionError(f"mooncake: batch_is_exist returned {r}")
+                break
+            if r != 1:
+                break
+            n += 1
+        return n
+
+    def load(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        import numpy as np
+
+        values = self._client().get_batch(list(keys))
+        sizes = []
+        for v, buf in zip(values, buffers):
+            if not v:
+                sizes.append(0)
+                continue
+            view = buf.numpy()
+            n = min(len(v), view.nbytes)
+            view[:n] = np.frombuffer(v, dtype=np.uint8, count=n)
+            sizes.append(len(v))
+        return sizes
+
+    def save(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+        store = self._client()
+        rc = store.put_batch(list(keys), [v.numpy().tobytes() for v in values])
+        if rc < 0:
+            raise ConnectionError(f"mooncake: put_batch returned {rc}")
+
+    def health(self) -> tuple[bool, str]:
+        store = self._client()
+        rc = store.health_check()
+        if rc != 0:
+            return False, f"mooncake: health_check returned {rc}"
+        probe = store.is_exist("plinth/health")
+        if probe < 0:
+            return False, f"mooncake: the master does not answer ({probe})"
+        return True, "ok"
+
+    def close(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            threading.Thread(target=store.close, daemon=True).start()  # close() on a dead master takes ~9 s
