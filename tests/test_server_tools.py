@@ -426,3 +426,83 @@ def test_anthropic_bad_tools_are_400(srv):
         r = httpx.post(srv.url + "/v1/messages", json=body, timeout=30)
         assert r.status_code == 400, (extra, r.text)
         assert r.json()["type"] == "error"
+
+
+# ---------------------------------------------------------------------------
+# the Responses API
+# ---------------------------------------------------------------------------
+
+R_WEATHER = {"type": "function", **WEATHER["function"]}
+R_TIME = {"type": "function", **TIME["function"]}
+
+
+def test_responses_plain(oai):
+    r = oai.responses.create(model=MODEL, input="KEY-RESULT please", instructions="Be brief.", max_output_tokens=100)
+    assert r.id.startswith("resp_") and r.status == "completed" and r.object == "response"
+    assert r.output_text == SCRIPTS["KEY-RESULT"]
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens == len(SCRIPTS["KEY-RESULT"]) + 1
+    short = oai.responses.create(model=MODEL, input="KEY-RESULT please", max_output_tokens=3)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.output_text == SCRIPTS["KEY-RESULT"][:3]
+
+
+def test_responses_streamed(oai):
+    kinds, text = [], ""
+    with oai.responses.stream(model=MODEL, input=[{"role": "user", "content": "KEY-REASON"}], max_output_tokens=100) as stream:
+        for e in stream:
+            kinds.append(e.type)
+            if e.type == "response.output_text.delta":
+                text += e.delta
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.reasoning_text.delta" in kinds and text == "Blue."
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "Blue."
+
+
+def test_responses_function_call_round_trip(oai):
+    r = oai.responses.create(model=MODEL, input="KEY-CALL", tools=[R_WEATHER, R_TIME], max_output_tokens=200)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 2})]
+    assert calls[0].call_id.startswith("call_")
+    with oai.responses.stream(model=MODEL, input="KEY-PAIR", tools=[R_WEATHER, R_TIME], max_output_tokens=300) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds
+    assert [(o.name, json.loads(o.arguments)) for o in final.output] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_time", {"tz": "CET"}),
+    ]
+    follow = oai.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": "KEY-CALL"}, calls[0].model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "KEY-RESULT 21C"}],
+        tools=[R_WEATHER],
+        max_output_tokens=100,
+    )
+    assert follow.output_text == SCRIPTS["KEY-RESULT"]
+
+
+def test_responses_forced_and_json_schema(oai):
+    r = oai.responses.create(model=MODEL, input="anything", tools=[R_WEATHER, R_TIME],
+                             tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=100)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_time"
+    jsonschema.validate(json.loads(call.arguments), TIME["function"]["parameters"])
+    schema = WEATHER["function"]["parameters"]
+    r = oai.responses.create(model=MODEL, input="anything", max_output_tokens=100,
+                             text={"format": {"type": "json_schema", "name": "w", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_responses_bad_input_is_400(srv):
+    for body in (
+        {"input": "hi", "previous_response_id": "resp_x"},
+        {"input": [{"type": "image", "url": "x"}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+        {"input": "hi", "text": {"format": {"type": "xml"}}},
+        {"input": "hi", "tool_choice": "required"},
+        {"input": 3},
+    ):
+        r = httpx.post(srv.url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"

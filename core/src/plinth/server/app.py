@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plinth import __version__
-from plinth.server import anthropic_api, openai_api
+from plinth.server import anthropic_api, openai_api, responses_api
 from plinth.server.errors import APIError, error_body, error_bytes, is_anthropic_path, validation_message
 from plinth.server.metrics import CONTENT_TYPE
 from plinth.server.protocol import (
@@ -127,7 +127,7 @@ class MetricsMiddleware:
     """Counts every HTTP answer by method, route and status."""
 
     ROUTES = {
-        "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens",
+        "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/messages", "/v1/messages/count_tokens",
         "/health", "/ready", "/metrics", "/tokenize", "/detokenize", "/version",
     }  # fmt: skip
 
@@ -199,6 +199,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     app.include_router(openai_api.router(openai_api.OpenAIServing(ctx)))
     app.include_router(anthropic_api.router(anthropic_api.AnthropicServing(ctx)))
+    app.include_router(responses_api.router(responses_api.ResponsesServing(ctx)))
 
     def _alive() -> bool:
         thread = getattr(engine, "_thread", None)
