@@ -506,3 +506,31 @@ def test_responses_bad_input_is_400(srv):
         r = httpx.post(srv.url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------------------
+# choosing parsers: by name, or from the chat template
+# ---------------------------------------------------------------------------
+
+
+def test_parsers_are_registered_and_chosen_from_the_template():
+    from plinth.errors import PluginError
+    from plinth.plugins import PluginRegistry
+    from plinth.server.tools import resolve_parser
+
+    reg = PluginRegistry.discover()
+    assert {"hermes", "qwen", "llama3_json", "mistral", "deepseek_v3", "kimi_k2"} <= set(reg.names("tool_parser"))
+    assert {"qwen3", "deepseek_r1"} <= set(reg.names("reasoning_parser"))
+    rows = {(r["category"], r["name"]): r for r in reg.report()}
+    assert rows[("tool_parser", "hermes")]["status"] == "ok"  # what `platform plugins` lists
+
+    qwen3_template = "{% if tools %}<tools>...</tools> <tool_call>{...}</tool_call>{% endif %}<think>\n\n</think>"
+    assert resolve_parser(reg, "tool_parser", "auto", qwen3_template).__name__ == "HermesToolParser"
+    assert resolve_parser(reg, "reasoning_parser", "auto", qwen3_template).__name__ == "ThinkReasoningParser"
+    assert resolve_parser(reg, "tool_parser", "auto", "<|tool_calls_section_begin|>").__name__ == "KimiK2ToolParser"
+    assert resolve_parser(reg, "tool_parser", "auto", "[TOOL_CALLS]").__name__ == "MistralToolParser"
+    assert resolve_parser(reg, "tool_parser", "auto", "plain ChatML") is None
+    assert resolve_parser(reg, "tool_parser", "none", qwen3_template) is None
+    assert resolve_parser(reg, "tool_parser", "llama3_json", None).__name__ == "Llama3JsonToolParser"
+    with pytest.raises(PluginError, match="hermes"):
+        resolve_parser(reg, "tool_parser", "no_such_parser", None)
