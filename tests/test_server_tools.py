@@ -534,3 +534,29 @@ def test_parsers_are_registered_and_chosen_from_the_template():
     assert resolve_parser(reg, "tool_parser", "llama3_json", None).__name__ == "Llama3JsonToolParser"
     with pytest.raises(PluginError, match="hermes"):
         resolve_parser(reg, "tool_parser", "no_such_parser", None)
+
+
+# ---------------------------------------------------------------------------
+# the real default model (SmolLM2's template has no tool markers: forced calls)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_forced_tool_calls(smollm2_async_engine):
+    with serve(smollm2_async_engine, names=[MODEL]) as s:
+        oai = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        r = oai.chat.completions.create(
+            model=MODEL, messages=user("What is the weather in Paris for the next 2 days?"), tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, temperature=0,
+        )
+        (call,) = r.choices[0].message.tool_calls
+        _valid(call)
+        claude = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=300)
+        with claude.messages.stream(
+            model=MODEL, max_tokens=80, tools=[A_WEATHER, A_TIME], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            messages=user("What time is it in Paris?"), extra_body={"temperature": 0},
+        ) as stream:
+            msg = stream.get_final_message()
+        (use,) = msg.content
+        assert msg.stop_reason == "tool_use"
+        jsonschema.validate(use.input, (A_WEATHER if use.name == "get_weather" else A_TIME)["input_schema"])
