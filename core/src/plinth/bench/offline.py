@@ -285,15 +285,19 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     print("measuring the machine...", file=sys.stderr)
     bw = measure_copy_bandwidth()
     read_bw = measure_read_bandwidth()
-    flops = measure_matmul_flops(args.dtype if args.dtype != "auto" else "bfloat16")
     result["copy_bandwidth_GBps"] = bw / 1e9
     result["read_bandwidth_GBps"] = read_bw / 1e9
-    result["matmul_GFLOPs"] = flops / 1e9
 
     llm = LLM(
         args.model, device=args.device, backend=args.backend, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, registry=registry, kv_cache_memory=2.0,
     )
+    # which machine and paths the figures came from
+    described = llm.engine.components.describe()
+    result["engine"] = {k: described.get(k) for k in ("device", "device_name", "isa", "backend", "dtype", "ops")}
+    dtype_name = str(llm.engine.components.dtype).removeprefix("torch.")
+    result["matmul_GFLOPs"] = measure_matmul_flops(dtype_name) / 1e9
+    result["matmul_dtype"] = dtype_name
     model = llm.engine.runner.model
     tok = llm.get_tokenizer()
     vocab = llm.engine.model_config.vocab_size
@@ -324,7 +328,7 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
         flop_per_token = flops_per_token(model, llm.engine.components.dtype.itemsize)
         result["plinth_batch32_step_ms"] = step * 1000
         result["plinth_batch32_GFLOPs"] = 32 * flop_per_token / step / 1e9
-        result["plinth_batch32_fraction_of_matmul"] = 32 * flop_per_token / step / flops
+        result["plinth_batch32_fraction_of_matmul"] = 32 * flop_per_token / step / (result["matmul_GFLOPs"] * 1e9)
     del llm, model
 
     if "transformers" in peers:
@@ -355,9 +359,14 @@ def print_report(r: dict[str, Any]) -> None:
     lines = [
         f"machine: {r['threads']} threads, copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s "
         f"(read-only {r['read_bandwidth_GBps']:.1f} GB/s), "
-        f"matmul {r['matmul_GFLOPs']:.0f} GFLOP/s ({r['args']['dtype']})",
-        f"model: {r['model']} ({r['weight_bytes'] / 1e6:.0f} MB of weights read per decode step, bf16)",
+        f"matmul {r['matmul_GFLOPs']:.0f} GFLOP/s ({r.get('matmul_dtype', r['args']['dtype'])})",
+        f"model: {r['model']} ({r['weight_bytes'] / 1e6:.0f} MB of weights read per decode step, "
+        f"{r.get('matmul_dtype', 'bf16')})",
     ]
+    engine = r.get("engine") or {}
+    if engine.get("device_name"):
+        lines.insert(0, f"cpu/device: {engine['device_name']}; instruction sets: {','.join(engine.get('isa') or []) or 'not reported'}; "
+                        f"backend {engine.get('backend')}, {engine.get('dtype')}")
     w = r["workload"]
     lines.append(f"workload: {w['prompts']} prompts, {w['input_tokens']} input / {w['output_tokens']} output tokens")
     pt, tt = r.get("plinth_throughput"), r.get("transformers_throughput")

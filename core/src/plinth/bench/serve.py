@@ -670,6 +670,11 @@ def format_summary(res: dict[str, Any], percentiles: Sequence[float]) -> str:
     def row(label: str, value: Any, fmt: str = "") -> None:
         lines.append(f"{label:<40} {format(value, fmt) if fmt else value:<10}")
 
+    engine = res.get("server_engine") or {}
+    if engine.get("device_name"):
+        lines.append(f"Server: {engine['device_name']}, {engine.get('dtype')}, backend {engine.get('backend')}")
+        lines.append(f"  instruction sets: {','.join(engine.get('isa') or []) or 'not reported'}")
+
     row("Successful requests:", res["completed"])
     row("Failed requests:", res["failed"])
     if res.get("max_concurrency") is not None:
@@ -908,6 +913,20 @@ def _busy_seconds() -> float | None:
         return None
 
 
+def server_engine(cfg: BenchConfig) -> dict[str, Any] | None:
+    """What the server says it runs on (its /version: device, instruction sets,
+    dtype, backend), so a saved figure says which machine it came from; None
+    for servers without it (vLLM, transformers)."""
+    import httpx
+
+    try:
+        r = httpx.get(cfg.base_url + "/version", headers=_headers(cfg), timeout=10, trust_env=not _is_loopback(cfg.base_url))
+        engine = r.json().get("engine") if r.status_code == 200 else None
+        return engine if isinstance(engine, dict) else None
+    except Exception:
+        return None
+
+
 def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Prepare the prompts, run, print, save and plot; the result dict (vLLM's keys)."""
     import asyncio
@@ -922,6 +941,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[
     if client is not None:
         client.close()
     res, outputs = asyncio.run(benchmark(cfg, requests, model, counter.name, log))
+    res["server_engine"] = server_engine(cfg)
     log(format_summary(res, cfg.percentiles))
     errors = format_errors(outputs)
     if errors:

@@ -48,8 +48,12 @@ class Components:
     num_pages: int = 0
 
     def describe(self) -> dict[str, Any]:
+        info = self.accelerator.info()
         return {
             "device": self.accelerator_name,
+            # which machine a figure came from: benchmarks record these
+            "device_name": info.device_name,
+            "isa": list(info.isa),
             "backend": self.backend_name,
             "model_loader": self.model_loader_name,
             "model": self.source.path,
