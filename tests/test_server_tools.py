@@ -560,3 +560,16 @@ def test_smollm2_forced_tool_calls(smollm2_async_engine):
         (use,) = msg.content
         assert msg.stop_reason == "tool_use"
         jsonschema.validate(use.input, (A_WEATHER if use.name == "get_weather" else A_TIME)["input_schema"])
+
+
+def test_405_carries_allow(srv):
+    r = httpx.get(srv.url + "/v1/responses", timeout=30)
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_openapi_describes_streams(srv):
+    doc = httpx.get(srv.url + "/openapi.json", timeout=30).json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"):
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        assert {"application/json", "text/event-stream"} <= set(content), path

@@ -42,6 +42,7 @@ from plinth.server.protocol import (
     ThinkingDelta,
 )
 from plinth.server.serving import (
+    STREAM_RESPONSE,
     ChoiceCursor,
     ClientDisconnected,
     Generation,
@@ -378,7 +379,7 @@ class _BlockWriter:
 def router(serving: AnthropicServing) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/v1/messages", response_model=MessagesResponse)
+    @r.post("/v1/messages", response_model=MessagesResponse, responses=STREAM_RESPONSE)
     async def messages(req: MessagesRequest, raw: Request) -> Response:
         return await serving.messages(req, raw)
 

@@ -187,6 +187,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         else:
             msg = str(exc.detail)
         err = APIError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None)
+        err.headers.update(exc.headers or {})  # 405 carries Allow
         return _error_response(request.url.path, err)
 
     @app.exception_handler(Exception)

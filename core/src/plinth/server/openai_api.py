@@ -36,6 +36,7 @@ from plinth.server.protocol import (
     Usage,
 )
 from plinth.server.serving import (
+    STREAM_RESPONSE,
     ChoiceCursor,
     ClientDisconnected,
     Generation,
@@ -560,11 +561,11 @@ def router(serving: OpenAIServing) -> APIRouter:
         serving.ctx.check_model(model_id)
         return next(m for m in serving.models().data if m.id == model_id)
 
-    @r.post("/v1/completions", response_model=CompletionResponse)
+    @r.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_RESPONSE)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(req, raw)
 
-    @r.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    @r.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_RESPONSE)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
 

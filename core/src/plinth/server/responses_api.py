@@ -23,6 +23,7 @@ from plinth.engine.outputs import CompletionOutput, RequestOutput
 from plinth.server.errors import APIError, engine_exception
 from plinth.server.protocol import _Request, _Response
 from plinth.server.serving import (
+    STREAM_RESPONSE,
     ChoiceCursor,
     ClientDisconnected,
     Generation,
@@ -370,7 +371,7 @@ def router(serving: ResponsesServing) -> APIRouter:
     @r.post(
         "/v1/responses",
         response_model=ResponseObject,
-        responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "with stream: true, the Responses events"}},
+        responses=STREAM_RESPONSE,
     )
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
         return await serving.create(req, raw)

@@ -515,6 +515,12 @@ class ChoiceCursor:
         return delta, start, num_tokens
 
 
+#: the OpenAPI description of a route's streamed answer (``stream: true``)
+STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "JSON, or with stream: true server-sent events"}
+}
+
+
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
