@@ -105,6 +105,8 @@ class CircuitBreaker:
         self.failures = 0
         self.opened_at = 0.0
         self.times_opened = 0
+        #: called when the circuit closes again (the store may have lost its data)
+        self.on_recover: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
     def allow(self) -> bool:
@@ -120,9 +122,12 @@ class CircuitBreaker:
 
     def success(self) -> None:
         with self._lock:
-            if self.state != "closed":
-                log.info("KV connector: the store answers again; circuit closed")
+            recovered = self.state != "closed"
             self.state, self.failures = "closed", 0
+        if recovered:
+            log.info("KV connector: the store answers again; circuit closed")
+            if self.on_recover is not None:
+                self.on_recover()
 
     def failure(self) -> None:
         with self._lock:
@@ -197,6 +202,7 @@ class KVTransfer:
         self.max_pending_saves = int(opts.get("max_pending_saves", 4))
         self.max_pending_lookups = int(opts.get("max_pending_lookups", 16))
         self.breaker = CircuitBreaker(int(opts.get("breaker_failures", 3)), float(opts.get("breaker_reset_s", 2.0)))
+        self.breaker.on_recover = self._forget_known
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="plinth-kv-load")
         self._saves = ThreadPoolExecutor(1, thread_name_prefix="plinth-kv-save")
         self._fetches: dict[int, _Fetch] = {}
@@ -309,6 +315,11 @@ class KVTransfer:
     def forget(self, seq: Any) -> None:
         """A sequence left before its fetch was used."""
         self._fetches.pop(seq.seq_id, None)
+
+    def _forget_known(self) -> None:
+        """After an outage the store may have restarted empty: save again what it had."""
+        with self._lock:
+            self._known.clear()
 
     def remember(self, hashes: Sequence[int]) -> None:
         """Hashes the store holds (saved or loaded): not saved again."""
