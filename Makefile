@@ -17,6 +17,9 @@ setup: $(STAMP)
 # Re-runs only when a pyproject or this file changes: quick when done.
 $(STAMP): Makefile core/pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS)) requirements-test.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# libibverbs1: the mooncake KV connector's wheel links it (no RDMA hardware needed);
+	@# skipped when already there, tolerated when apt is not usable here
+	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || (apt-get install -y libibverbs1 || sudo -n apt-get install -y libibverbs1) || echo "warning: could not install libibverbs1; the mooncake KV connector will not load"
 	$(PIP) install --upgrade "pip>=24"
 	@# the CPU wheel first: an open torch range would pull a multi-GB CUDA build
 	$(PIP) install "torch==2.13.0" "numpy>=1.26"
