@@ -1,0 +1,1 @@
+"""plinth a2a plugin `deepep` (DeepEP); deep_ep is imported only when chosen."""
