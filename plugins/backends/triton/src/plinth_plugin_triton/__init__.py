@@ -1,0 +1,1 @@
+"""plinth backend plugin: Triton kernels."""

@@ -1,0 +1,131 @@
+"""The triton backend: its kernels per op, the reference for the rest.
+
+Op by op:
+
+=================  ================================================================
+op                 source
+=================  ================================================================
+attention          Triton: split-K paged decode (GQA), ragged causal paged prefill
+prepare_attention  Triton plan (query blocks) + the reference's step bookkeeping
+allocate_kv_cache  the reference's pages ([Hkv, pages, page_size, D]; checked)
+copy_pages         the reference (whole-page index copies; no kernel pays)
+fused_moe          Triton: grouped GEMMs over expert-sorted, block-aligned tokens
+rms_norm           Triton: one pass, residual add fused
+pack_linear,       FP8 ``QuantizedWeight``: Triton (W8A8 block-scaled on native
+linear             FP8, weight-only dequant-in-kernel otherwise); dense weights:
+                   the reference (torch.matmul: cuBLAS beats a Triton GEMM)
+silu_and_mul       the reference (fused into fused_moe's first GEMM; dense MLPs
+                   take torch's elementwise op)
+rotary             the reference (a gather + multiply-add; no kernel pays yet)
+fp8_path           an op of this backend's own: () -> (path, why), the FP8
+                   path its linear takes here; model loaders that find it keep
+                   FP8 weights quantized instead of dequantizing at load
+=================  ================================================================
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import Any, Callable, Mapping
+
+from plinth.api import Backend, PluginError, QuantizedWeight, SelectionContext
+
+#: what this backend takes from the reference, and why (logged at start-up)
+FROM_REFERENCE = {
+    "allocate_kv_cache": "the kernels read the reference's page layout",
+    "copy_pages": "whole-page index copies: no kernel pays",
+    "silu_and_mul": "fused into fused_moe; dense MLPs use torch's elementwise op",
+    "rotary": "no kernel pays yet",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+log = logging.getLogger("plinth.triton")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def fp8_path(ctx: SelectionContext) -> tuple[str, str]:
+    """(path, why): "w8a8" (block-scaled FP8 GEMM on FP8 tensor cores) or
+    "weight_only" (FP8 weights dequantized inside the GEMM), from the
+    accelerator's reported FP8 support and capability."""
+    info = ctx.accelerator.info() if ctx.accelerator is not None else None
+    if info is None:
+        return "weight_only", "no accelerator in the context"
+    cap = info.capability or "unknown capability"
+    if info.fp8 == "native" and info.device_type == "cuda":
+        return "w8a8", f"{info.device_name or info.device_type} {cap} reports native FP8: block-scaled W8A8 (128x128 weight blocks, 1x128 activation groups); per-tensor FP8 weights run weight-only"
+    if info.device_type == "cuda":
+        return "weight_only", f"{info.device_name or 'GPU'} {cap} has no native FP8 (W8A8 needs sm_90 or newer): FP8 weights dequantized inside the GEMM"
+    return "weight_only", f"{info.device_type} (fp8 {info.fp8}) under the Triton interpreter: FP8 weights dequantized inside the GEMM"
+
+
+class TritonBackend(Backend):
+    """Triton kernels for attention, MoE experts, rms_norm and FP8 GEMMs."""
+
+    @classmethod
+    def check(cls, ctx: SelectionContext) -> list[str]:
+        reasons = []
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("triton is not installed (pip install 'triton==3.9.0')")
+        if importlib.util.find_spec("torch") is None:
+            reasons.append("torch is not installed")
+        acc = ctx.accelerator
+        if acc is not None:
+            device_type = getattr(acc, "device_type", "")
+            if device_type != "cuda" and not _interpreting():
+                reasons.append(
+                    f"its kernels run on CUDA GPUs; the chosen device is {device_type or 'unknown'} "
+                    "(set TRITON_INTERPRET=1 to run them in Triton's interpreter on CPU tensors: tests only, slow)"
+                )
+            elif device_type == "cuda":
+                info = acc.info()
+                if ctx.dtype is not None and str(ctx.dtype) == "torch.bfloat16" and "bfloat16" not in info.dtypes:
+                    reasons.append(f"{info.device_name} {info.capability} has no bfloat16 (sm_80 or newer); use --dtype float16")
+        if ctx.dtype is not None and str(ctx.dtype).removeprefix("torch.") not in DTYPES:
+            reasons.append(f"dtype {ctx.dtype} is not one of {', '.join(DTYPES)}")
+        return reasons
+
+    @classmethod
+    def unsupported_ops(cls, ctx: SelectionContext) -> Mapping[str, str]:
+        # every op it has runs for every config check() accepts; what it never
+        # had is taken from the reference by declaration (FROM_REFERENCE)
+        return {}
+
+    def ops(self) -> Mapping[str, Callable[..., Any]]:
+        from plinth_plugin_triton import fp8, moe, norm
+        from plinth_plugin_triton.attention import make_attention_ops
+
+        ref = self.reference
+        missing = [op for op in ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages", "linear", "pack_linear") if op not in ref]
+        if missing:
+            raise PluginError(f"triton takes {', '.join(missing)} from the reference backend, which is not available")
+        for op, reason in FROM_REFERENCE.items():
+            log.info("backend triton: %s from the reference: %s", op, reason)
+        path, why = fp8_path(self.ctx)
+        log.info("backend triton: FP8 linear path %s: %s", path, why)
+        native = path == "w8a8"
+        ref_pack, ref_linear = ref["pack_linear"], ref["linear"]
+
+        def pack_linear(weight: Any) -> Any:
+            if isinstance(weight, QuantizedWeight) and weight.format == "fp8_e4m3":
+                return fp8.pack(weight, native)
+            return ref_pack(weight)
+
+        def linear(x: Any, weight: Any, bias: Any = None) -> Any:
+            if type(weight) is fp8.FP8Linear:
+                return fp8.linear(x, weight, bias)
+            return ref_linear(x, weight, bias)
+
+        ops: dict[str, Callable[..., Any]] = dict(make_attention_ops(ref))
+        ops.update(
+            rms_norm=norm.rms_norm,
+            fused_moe=moe.fused_moe,
+            pack_linear=pack_linear,
+            linear=linear,
+            fp8_path=lambda: (path, why),
+        )
+        return ops
