@@ -145,6 +145,9 @@ def _hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
 
 
 def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> LLMEngine:
+    if config.ep != 1:  # the a2a plugin validates before anything loads: a named one fails with its reasons
+        registry = registry or PluginRegistry.discover()
+        registry.select("a2a", config.a2a, SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options)))
     if config.tp != 1 or config.ep != 1:
         raise ConfigError("tensor and expert parallelism (tp/ep > 1) are not available in this build yet")
     registry = registry or PluginRegistry.discover()
