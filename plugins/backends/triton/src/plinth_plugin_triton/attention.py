@@ -49,6 +49,17 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 @triton.jit
+def dot(a, b, UPCAST: tl.constexpr):
+    """a @ b with float32 accumulation; UPCAST (the interpreter, float32
+    models): both sides in float32, full IEEE precision (no TF32)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
@@ -100,7 +111,7 @@ def _decode_split_kernel(
             k = k.to(tl.float32)
         else:
             k = k.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = dot(q, tl.trans(k), UPCAST) * scale
         if HAS_CAP:
             scores = logit_cap * _tanh(scores / logit_cap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -112,7 +123,7 @@ def _decode_split_kernel(
                     mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + dot(p, v, UPCAST)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -207,7 +218,7 @@ def _prefill_kernel(
             k = k.to(tl.float32)
         else:
             k = k.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = dot(q, tl.trans(k), UPCAST) * scale
         if HAS_CAP:
             scores = logit_cap * _tanh(scores / logit_cap)
         ok = in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -222,7 +233,7 @@ def _prefill_kernel(
                     mask=in_ctx[:, None] & (offs_dv[None, :] < DV), other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + dot(p, v, UPCAST)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new

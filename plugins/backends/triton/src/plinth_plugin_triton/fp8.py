@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plinth_plugin_triton.attention import interpreting
+from plinth_plugin_triton.attention import dot, interpreting
 
 FP8_MAX = 448.0  # float8_e4m3fn
 GROUP = 128
@@ -53,11 +53,15 @@ def act_quant(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.
     """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K / group)])."""
     m, k = x.shape
     groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    # the interpreter's float32 -> float8 cast is wrong where rounding carries
+    # into the next binade (-126.07 -> -64, not -128): there the kernel writes
+    # the scaled values in float32 and torch casts them (round to nearest)
+    staged = interpreting()
+    q = torch.empty(m, k, dtype=torch.float32 if staged else torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m:
         _act_quant_kernel[(m, groups)](x, q, s, x.stride(0), q.stride(0), s.stride(0), k, GROUP_SIZE=group)
-    return q, s
+    return (q.to(torch.float8_e4m3fn) if staged else q), s
 
 
 @triton.jit
@@ -84,10 +88,7 @@ def _w8a8_block_kernel(
         b = tl.load(B + offs_n[None, :] * stride_bn + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         a_s = tl.load(AS + offs_m * stride_asm + kb, mask=m_ok, other=0.0)
         b_s = tl.load(BS + (offs_n // 128) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
-        if UPCAST:
-            part = tl.dot(a.to(tl.float32), b.to(tl.float32))
-        else:
-            part = tl.dot(a, b)
+        part = dot(a, b, UPCAST)  # FP8 x FP8 on the tensor cores
         acc += part * a_s[:, None] * b_s[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -117,10 +118,7 @@ def _weight_only_kernel(
         s = tl.load(BS + (offs_n[None, :] // block_n) * stride_bsn + (offs_k[:, None] // block_k) * stride_bsk,
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         w = b.to(tl.float32) * s  # dequantized in registers
-        if UPCAST:
-            acc += tl.dot(a.to(tl.float32), w)
-        else:
-            acc += tl.dot(a, w.to(a.dtype))
+        acc += dot(a, w.to(a.dtype), UPCAST)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(C + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -201,7 +199,7 @@ def linear(x: torch.Tensor, w: FP8Linear, bias: torch.Tensor | None = None) -> t
             x2, w.qweight, w.scale, out, bias if bias is not None else out,
             m, n, k, w.block[0], w.block[1],
             x2.stride(0), w.qweight.stride(0), w.scale.stride(0), w.scale.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, UPCAST=upcast,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, UPCAST=upcast or x.dtype == torch.float32,
         )
     return out.view(*lead, n)
 

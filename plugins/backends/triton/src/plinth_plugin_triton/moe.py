@@ -17,7 +17,8 @@ launch never waits for the device (and would fit a CUDA graph).
   ranks' experts, padding) keep their zero row.
 
 Experts with no tokens get no block. Under ``TRITON_INTERPRET=1`` loads are
-cast to float32 before the dots (see attention.py).
+cast to float32 before the dots (see attention.py), and the activations
+stay float32 (the interpreter's float32 -> bfloat16 cast truncates).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plinth_plugin_triton.attention import interpreting
+from plinth_plugin_triton.attention import dot, interpreting
 
 
 @triton.jit
@@ -56,10 +57,8 @@ def _moe_gate_up_kernel(
         w_base = W13 + e * stride_we + offs_k[:, None] * stride_wk
         wg = tl.load(w_base + offs_n[None, :] * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(w_base + (offs_n[None, :] + inter) * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        acc_g += tl.dot(a, wg)
-        acc_u += tl.dot(a, wu)
+        acc_g += dot(a, wg, UPCAST)
+        acc_u += dot(a, wu, UPCAST)
     # the reference rounds each GEMM to the activation dtype before silu * up
     g = acc_g.to(Act.dtype.element_ty).to(tl.float32)
     u = acc_u.to(Act.dtype.element_ty).to(tl.float32)
@@ -91,9 +90,7 @@ def _moe_down_kernel(
         a = tl.load(Act + offs_m[:, None] * stride_at + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W2 + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(a, w)
+        acc += dot(a, w, UPCAST)
     weight = tl.load(TopkW + pair, mask=row_ok, other=0.0).to(tl.float32)
     # each expert's output in the activation dtype (as the reference's linear), then weighted in float32
     y = acc.to(Act.dtype.element_ty).to(tl.float32) * weight[:, None]
@@ -158,8 +155,11 @@ def fused_moe(
     block_m, block_n, block_k = block_config(num_pairs)
     sorted_pairs, block_expert = align(topk_ids, num_experts, block_m)
     rows = sorted_pairs.numel()
-    upcast = interpreting()
-    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    upcast = interpreting() or x.dtype == torch.float32
+    # the interpreter's float32 -> bfloat16 cast truncates (no round-to-nearest):
+    # there the activations stay float32, rounded once at the end in torch
+    act_dtype = torch.float32 if upcast and interpreting() else x.dtype
+    act = torch.empty(rows, inter, dtype=act_dtype, device=x.device)
     _moe_gate_up_kernel[(rows // block_m, triton.cdiv(inter, block_n))](
         x, w13, sorted_pairs, block_expert, act,
         num_pairs, top_k, inter, hidden,
