@@ -28,6 +28,7 @@ CATEGORY_OPTIONS = {
     "backend": ("--backend", "auto"),
     "a2a": ("--a2a", "auto"),
     "kv_connector": ("--kv-connector", None),
+    "proposer": ("--speculative-method", None),
 }
 
 
@@ -48,6 +49,10 @@ def add_plugin_options(parser: argparse.ArgumentParser, registry: PluginRegistry
             help=f"{category.replace('_', ' ')} plugin" + (" (default: auto, the best available)" if with_auto else " (default: none)"),
         )
     group.add_argument("--kv-connector-config", default=None, metavar="JSON", help="options for the KV connector, as JSON")
+    group.add_argument(
+        "--num-speculative-tokens", type=int, default=None, metavar="K", help="most tokens proposed per sequence and step (default 4)"
+    )
+    group.add_argument("--speculative-model", default=None, metavar="PATH", help="the draft model (--speculative-method draft)")
     extra = parser.add_argument_group("plugin options")
     registry.hook.plinth_add_cli_arguments(parser=extra)
 
@@ -77,6 +82,7 @@ def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     known = {
         "model", "device", "backend", "a2a", "kv_connector", "dtype", "page_size", "num_pages", "kv_cache_memory",
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep", "seed",
+        "speculative_method", "num_speculative_tokens", "speculative_model",
     }
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     kwargs["kv_connector_config"] = kv_config
@@ -149,7 +155,7 @@ def resolve_choices(
         prefer = tuple(ctx.accelerator.info().preferred_backends)
     except Exception as exc:  # info() may need the device; selection does not
         log.debug("info() of %s failed: %s", accel.name, exc)
-    for category in ("backend", "a2a", "kv_connector"):
+    for category in ("backend", "a2a", "kv_connector", "proposer"):
         name = choices.get(category)
         if name and name != "auto":
             selected[category] = registry.select(category, name, ctx, prefer=prefer)

@@ -51,6 +51,7 @@ CATEGORIES: tuple[str, ...] = tuple(REGISTRATION_HOOKS)
 CATEGORY_FOLDERS = {
     "accelerator": "accelerators", "backend": "backends", "model": "models", "a2a": "a2a",
     "kv_connector": "kv_connectors", "tool_parser": "models", "reasoning_parser": "models",
+    "proposer": "proposers",
 }  # fmt: skip
 
 # statuses shown by `platform plugins`

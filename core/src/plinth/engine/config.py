@@ -38,6 +38,10 @@ class EngineConfig:
     #: requests allowed to wait before new ones are refused (HTTP 503)
     max_waiting_requests: int = 4096
     load_progress: bool = True
+    #: speculative decoding: a proposer plugin's name (None, "auto" or "none": off)
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None  # k; default 4 when a method is named
+    speculative_model: str | None = None  # the draft model of the `draft` proposer
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -50,3 +54,7 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.tp < 1 or self.ep < 1:
             raise ConfigError("tp and ep must be >= 1")
+        if self.speculative_method in ("auto", "none", ""):
+            self.speculative_method = None  # speculation is off unless a method is named
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")

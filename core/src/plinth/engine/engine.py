@@ -36,6 +36,7 @@ class LLMEngine:
         scheduler: Scheduler,
         max_model_len: int,
         components: Any = None,
+        spec: Any = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -48,6 +49,8 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.components = components  # what startup resolved (plugins, config)
         self.sampler = Sampler()
+        #: speculative decoding (``plinth.engine.speculative.SpecDecoder``), or None
+        self.spec = spec
         self.requests: dict[str, Request] = {}
         vocab = model_config.vocab_size
         self.eos_token_ids = frozenset(
@@ -137,7 +140,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report every request that
         moved (including those that finished)."""
+        proposed = self._propose() if self.spec is not None else []
         batch = self.scheduler.schedule()
+        if proposed:
+            self._trim_proposals(batch, proposed)
         touched: dict[str, Request] = {}
         for seq in batch.evicted:  # can never fit in the KV pool, or failed to load its KV
             touched[seq.request.request_id] = seq.request
@@ -166,20 +172,28 @@ class LLMEngine:
         samplers: list[Sequence] = []  # the sequences sampling after this step
         sample_at: list[int] = []  # their rows
         prompt_lp: list[tuple[Sequence, int, int, int]] = []  # seq, first row, first position, count
+        spec_at: list[tuple[Sequence, int, int]] = []  # seq with proposals, its batch index, first row
         offset = 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c = seq.num_computed
             if seq.request.prompt_logprobs is not None and seq.index == 0 and c < seq.num_prompt_tokens - 1:
                 count = min(c + n, seq.num_prompt_tokens - 1) - c
                 prompt_lp.append((seq, len(rows), c, count))
                 rows.extend(range(offset, offset + count))
-            if c + n == seq.num_tokens:
+            if seq.spec_tokens:  # a decode scoring k proposals: the rows of all 1 + k positions
+                spec_at.append((seq, i, len(rows)))
+                rows.extend(range(offset, offset + n))
+            elif c + n == seq.num_tokens:
                 samplers.append(seq)
                 sample_at.append(len(rows))
                 rows.append(offset + n - 1)
             offset += n
 
         logits = self.runner.execute(batch, rows)
+        if spec_at:
+            for seq, v in self._verify(batch, spec_at, logits):
+                touched[seq.request.request_id] = seq.request
+                self._append_verified(seq, v)
         self.scheduler.mark_computed(batch)
 
         for seq, first, pos, count in prompt_lp:
@@ -211,19 +225,66 @@ class LLMEngine:
             touched[seq.request.request_id] = seq.request
             self._append_token(seq, token, lp)
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _sample_row(self, seq: Sequence, extra: Seq[int] = (), grammar: Any = None) -> SampleRow:
+        """``extra``: speculative proposals taken as already generated, with
+        ``grammar`` the grammar's state after them (verification)."""
         p = seq.params
         banned: Seq[int] = ()
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens + len(extra) < p.min_tokens:
             banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
         return SampleRow(
             params=p,
             prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else (),
-            output_ids=seq.output_ids if p.needs_penalties else (),
+            output_ids=([*seq.output_ids, *extra] if extra else seq.output_ids) if p.needs_penalties else (),
             generator=seq.generator,
-            grammar=seq.grammar,
+            grammar=seq.grammar if grammar is None else grammar,
             banned=banned,
         )
+
+    # ---- speculative decoding (plinth.engine.speculative) ------------------------------
+
+    def _propose(self) -> list[Sequence]:
+        sched = self.scheduler
+        live = {s.seq_id for s in sched.running} | {s.seq_id for s in sched.waiting}
+        return self.spec.propose(sched.running, live, self.max_model_len)
+
+    def _trim_proposals(self, batch: ScheduledBatch, proposed: list[Sequence]) -> None:
+        """Keep the proposals the scheduler made room for (a full budget or
+        pool cuts them; a preempted sequence drops them)."""
+        scheduled = {s.seq_id: n for s, n in zip(batch.seqs, batch.num_tokens)}
+        for seq in proposed:
+            n = scheduled.get(seq.seq_id, 0)
+            seq.spec_tokens = seq.spec_tokens[: max(0, n - seq.remaining)] if n else []
+
+    def _verify(self, batch: ScheduledBatch, spec_at: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> list[Any]:
+        out = []
+        for seq, i, first in spec_at:
+            n = batch.num_tokens[i]
+            v = self.spec.verify(seq, logits[first : first + n], self._sample_row)
+            seq.spec_tokens = []
+            batch.num_tokens[i] = 0  # _append_verified advances what was computed, not mark_computed
+            out.append((seq, v))
+        return out
+
+    def _append_verified(self, seq: Sequence, v: Any) -> None:
+        """Append what verification kept. The forward computed the K/V of the
+        last token and of every proposal; a proposal's counts as computed
+        (and its page may enter the prefix cache) only once it joined the
+        sequence, so no page holding a rejected or dropped token is ever
+        registered: the pages and hashes are those of a run without
+        speculation. Trailing pages that held only rejected K/V go back."""
+        self._advance_computed(seq)  # the last token
+        for j, (token, lp) in enumerate(zip(v.tokens, v.logprobs)):
+            self._append_token(seq, token, lp)
+            if seq.finished:  # EOS, a stop string, max_tokens: the rest is dropped (pages freed)
+                return
+            if j < v.accepted:
+                self._advance_computed(seq)
+        self.kv.truncate(seq, seq.num_computed)
+
+    def _advance_computed(self, seq: Sequence) -> None:
+        self.kv.cache_computed(seq, seq.num_computed + 1)
+        seq.num_computed += 1
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The n sequences of a request whose prompt is now computed: the first
@@ -331,6 +392,7 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "steps": self.num_steps,
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
     @property

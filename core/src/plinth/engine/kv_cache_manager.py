@@ -169,6 +169,17 @@ class KVCacheManager:
         if self.connector is not None:
             self.connector.forget(seq)
 
+    def truncate(self, seq: "Seq", num_tokens: int) -> None:
+        """Keep only the pages ``seq``'s first ``num_tokens`` tokens use and
+        release the rest: speculative rollback, when trailing pages held only
+        rejected proposals' K/V. Those pages lie past ``seq.num_computed``, so
+        ``cache_computed`` never registered them: nothing rejected is cached."""
+        pages = self._pages.get(seq.seq_id)
+        keep = -(-num_tokens // self.page_size)
+        if pages and len(pages) > keep:
+            self.pool.release(pages[keep:])
+            del pages[keep:]
+
     def fork(self, parent: "Seq", child: "Seq") -> bool:
         """``child`` continues from ``parent``'s computed tokens: it shares the
         full pages and gets a copy of the partial last page. False (nothing

@@ -43,6 +43,9 @@ class LLM:
         seed: int = 0,
         registry: Any = None,
         load_progress: bool = True,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int | None = None,
+        speculative_model: str | None = None,
     ) -> None:
         from plinth.engine.engine import LLMEngine
 
@@ -66,6 +69,9 @@ class LLM:
             plugin_options=dict(plugin_options or {}),
             seed=seed,
             load_progress=load_progress,
+            speculative_method=speculative_method,
+            num_speculative_tokens=num_speculative_tokens,
+            speculative_model=speculative_model,
         )
         self.engine = LLMEngine.from_config(self.config, registry)
         self._ids = itertools.count()

@@ -116,6 +116,8 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c = seq.num_computed
             ids.extend(seq.token_ids[c : c + n])
+            if c + n > len(seq.token_ids):  # a decode with speculative proposals after its last token
+                ids.extend(seq.spec_tokens[: c + n - len(seq.token_ids)])
             starts[i] = c
             seq_lens.append(c + n)
         max_pages = max([1, *(len(t) for t in batch.block_tables)])

@@ -54,8 +54,9 @@ def _apply_grammar(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) 
         rows[i].grammar.mask_logits(logits[i])  # in place, on the row view
 
 
-def _filter_and_sample(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> torch.Tensor:
-    """Random sampling for rows idx; returns their token ids."""
+def filtered_probs(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> torch.Tensor:
+    """The sampling distribution of rows idx of processed logits:
+    temperature, then top-k, top-p and min-p (what a random draw samples from)."""
     sub = logits[idx]
     temps = torch.tensor([rows[i].params.temperature for i in idx], dtype=sub.dtype).unsqueeze(1)
     sub = sub / temps
@@ -82,8 +83,14 @@ def _filter_and_sample(logits: torch.Tensor, rows: list[SampleRow], idx: list[in
     if any(m > 0 for m in min_ps):
         mp = torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1)
         probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def race(probs: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> torch.Tensor:
+    """One draw per row of probs (unnormalized is fine), row j for rows[idx[j]]."""
     # sample by the exponential race: argmax(p / E), E ~ Exp(1); per-row
     # generators make a seeded request independent of its batch neighbours
+    vocab = probs.shape[-1]
     noise = torch.empty_like(probs)
     unseeded = [j for j, i in enumerate(idx) if rows[i].generator is None]
     if unseeded:
@@ -93,6 +100,11 @@ def _filter_and_sample(logits: torch.Tensor, rows: list[SampleRow], idx: list[in
         if g is not None:
             noise[j] = torch.empty(vocab, dtype=probs.dtype).exponential_(generator=g)
     return (probs / noise).argmax(dim=-1)
+
+
+def _filter_and_sample(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> torch.Tensor:
+    """Random sampling for rows idx; returns their token ids."""
+    return race(filtered_probs(logits, rows, idx), rows, idx)
 
 
 def _logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
@@ -109,6 +121,41 @@ def _logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) ->
     return out
 
 
+def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Penalties, logit_bias, min_tokens bans and grammar masks applied (a
+    copy when anything applies): what greedy takes the argmax of and what
+    temperature and the filters work on."""
+    n = len(rows)
+    pen = [i for i in range(n) if rows[i].params.needs_penalties]
+    gram = [i for i in range(n) if rows[i].grammar is not None]
+    banned = [i for i in range(n) if rows[i].banned]
+    biased = [i for i in range(n) if rows[i].params.logit_bias]
+    raw = logits
+    if pen or gram or banned or biased:
+        logits = logits.clone()
+    if pen:
+        _apply_penalties(logits, rows, pen)
+    for i in biased:  # before the grammar: a bias never lets through what it forbids
+        bias = rows[i].params.logit_bias
+        ids = [t for t in bias if t < logits.shape[-1]]
+        logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
+    for i in banned:
+        logits[i, [t for t in rows[i].banned if t < logits.shape[-1]]] = float("-inf")
+    if gram:
+        _apply_grammar(logits, rows, gram)
+    if banned or gram:
+        # a row with nothing left: the grammar beats min_tokens; with no
+        # grammar-allowed token at all, fall back to the model's own choice
+        dead = (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist()
+        for i in dead:
+            logits[i] = raw[i]
+            if rows[i].grammar is not None:
+                rows[i].grammar.mask_logits(logits[i])
+            if not torch.isfinite(logits[i]).any():
+                logits[i] = raw[i]
+    return logits
+
+
 class Sampler:
     """Turns one step's logits [rows, vocab] (float32) into tokens."""
 
@@ -118,34 +165,7 @@ class Sampler:
         want_lp = [i for i in range(n) if rows[i].params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 
-        pen = [i for i in range(n) if rows[i].params.needs_penalties]
-        gram = [i for i in range(n) if rows[i].grammar is not None]
-        banned = [i for i in range(n) if rows[i].banned]
-        biased = [i for i in range(n) if rows[i].params.logit_bias]
-        raw = logits
-        if pen or gram or banned or biased:
-            logits = logits.clone()
-        if pen:
-            _apply_penalties(logits, rows, pen)
-        for i in biased:  # before the grammar: a bias never lets through what it forbids
-            bias = rows[i].params.logit_bias
-            ids = [t for t in bias if t < logits.shape[-1]]
-            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
-        for i in banned:
-            logits[i, [t for t in rows[i].banned if t < logits.shape[-1]]] = float("-inf")
-        if gram:
-            _apply_grammar(logits, rows, gram)
-        if banned or gram:
-            # a row with nothing left: the grammar beats min_tokens; with no
-            # grammar-allowed token at all, fall back to the model's own choice
-            dead = (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist()
-            for i in dead:
-                logits[i] = raw[i]
-                if rows[i].grammar is not None:
-                    rows[i].grammar.mask_logits(logits[i])
-                if not torch.isfinite(logits[i]).any():
-                    logits[i] = raw[i]
-
+        logits = process_logits(logits, rows)
         tokens = logits.argmax(dim=-1)
         rand = [i for i in range(n) if not rows[i].params.greedy]
         if rand:

@@ -118,7 +118,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.remaining, budget)
+            n = min(seq.remaining + len(seq.spec_tokens), budget)  # a decode scores its proposals too
             if kv.exceeds_capacity(seq, 1):
                 self.finish(seq, "length")
                 batch.evicted.append(seq)

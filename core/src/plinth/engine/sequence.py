@@ -50,7 +50,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed",
         "page_hashes", "status", "generator", "text", "prefix_offset", "read_offset", "logprobs",
         "cumulative_logprob", "finish_reason", "stop_reason", "grammar", "pending_fork", "num_emitted",
-        "token_counts",
+        "token_counts", "spec_tokens",
     )
 
     def __init__(self, request: Request, index: int, token_ids: list[int], *, generator: Any = None) -> None:
@@ -76,6 +76,9 @@ class Sequence:
         self.pending_fork = False
         self.num_emitted = 0
         self.token_counts: dict[int, int] | None = None
+        #: speculative decoding: proposals to score after the last token this
+        #: step (not part of token_ids until the target accepts them)
+        self.spec_tokens: list[int] = []
 
     @property
     def params(self) -> SamplingParams:

@@ -232,6 +232,10 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
         op_sources=op_sources,
         num_pages=num_pages,
     )
+    spec = None
+    if config.speculative_method:
+        draft = dict(registry=registry, ctx=ctx, ops=ops, backend=backend_entry.name, num_pages=num_pages, page_size=config.page_size)
+        spec = build_spec_decoder(config, registry, ctx, model_cfg, tokenizer, draft)
     log.info("engine ready: %s", components.describe())
     return LLMEngine(
         runner=runner,
@@ -240,4 +244,59 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
         scheduler=scheduler,
         max_model_len=max_model_len,
         components=components,
+        spec=spec,
     )
+
+
+# ---- speculative decoding -----------------------------------------------------------------
+
+
+def _load_tokenizer(registry: PluginRegistry, ctx: SelectionContext, path: str) -> Any:
+    source = locate_model(path)
+    return choose_model_loader(registry, source, ctx).load()().load_tokenizer(source)
+
+
+def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionContext, ops: Any, backend: str, num_pages: int, page_size: int) -> Any:
+    """A draft model for a proposer, built as the target is (its model
+    plugin, the target's op table and dtype) with its own page pool of the
+    target's size in tokens, KV-cache manager and model runner."""
+    from plinth.engine.speculative import DraftModelRunner
+
+    try:
+        source = locate_model(path)
+        loader = choose_model_loader(registry, source, ctx).load()()
+        cfg = loader.load_config(source)
+        tried = [backend] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e.name != backend]
+        check_required_ops(loader.required_ops(cfg), ops, tried, cfg.architecture)
+        model = loader.load_model(source, cfg, LoadContext(device=ctx.accelerator.device(0), dtype=ctx.dtype, ops=ops, progress=False))
+        runner = ModelRunner(model, ops, cfg, device=ctx.accelerator.device(0), dtype=ctx.dtype, num_pages=num_pages, page_size=page_size)
+    except PluginError as exc:
+        raise PluginError(f"the draft model {path} cannot load: {exc}") from exc
+    except Exception as exc:
+        raise PluginError(f"the draft model {path} cannot load: {type(exc).__name__}: {exc}") from exc
+    log.info("draft model %s: %s, %d layers, %d pages x %d tokens", path, cfg.architecture, cfg.num_layers, num_pages, page_size)
+    return DraftModelRunner(runner, num_pages, page_size, cfg.vocab_size)
+
+
+def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: SelectionContext, model_cfg: ModelConfig, tokenizer: Any, draft: dict[str, Any]) -> Any:
+    """The proposer named by ``--speculative-method``, validated with a
+    ``ProposerContext`` (a named plugin fails with every candidate's reasons)."""
+    import dataclasses
+
+    from plinth.engine.speculative import SpecDecoder
+    from plinth.hookspecs import ProposerContext
+
+    k = config.num_speculative_tokens or 4
+    pctx = ProposerContext(
+        num_speculative_tokens=k,
+        speculative_model=config.speculative_model,
+        model=model_cfg,
+        tokenizer=tokenizer,
+        load_tokenizer=lambda path: _load_tokenizer(registry, ctx, path),
+        build_draft_runner=lambda path: build_draft_runner(path, **draft),
+    )
+    sctx = dataclasses.replace(ctx, speculative=pctx)
+    entry = registry.select("proposer", config.speculative_method, sctx)
+    proposer = entry.load()(sctx)
+    log.info("speculative decoding: %s, k = %d", entry.label(), k)
+    return SpecDecoder(proposer, k, vocab_size=model_cfg.vocab_size, method=entry.name)

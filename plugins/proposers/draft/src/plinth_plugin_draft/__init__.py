@@ -1,0 +1,1 @@
+"""plinth proposer plugin: a draft model."""

@@ -1,0 +1,1 @@
+"""plinth proposer plugin: n-gram prompt lookup."""
