@@ -91,13 +91,15 @@ def _long_request(srv) -> dict:
     }
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/completions"])
 def test_disconnect_mid_stream_frees_pages(srv, path):
     engine = srv.engine
     baseline = engine.stats()["num_pages"]
     assert free_pages_back(engine, baseline)
     aborted = _aborted(srv.url)
     body = dict(_long_request(srv), stream=True)
+    if path == "/v1/completions":
+        body["prompt"] = body.pop("messages")[0]["content"]
     with httpx.stream("POST", srv.url + path, json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()

@@ -5,6 +5,11 @@ The engine thread owns the engine: requests and aborts reach it through an
 inbox it drains before each step, and each step's outputs go back to the
 event loop with ``call_soon_threadsafe``. Torch releases the GIL inside ops,
 so the event loop keeps serving while a step runs.
+
+Each output carries its deltas (``CompletionOutput.delta_text``,
+``delta_token_ids``, ``delta_logprobs``: what is new since the request's
+previous output, stop-string prefixes held back), computed on the engine
+thread; a reader that falls behind gets the outputs it missed folded into one.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from plinth.engine.engine import LLMEngine
-from plinth.engine.outputs import RequestOutput
+from plinth.engine.outputs import DeltaCursor, RequestOutput, coalesce
 from plinth.engine.sampling_params import SamplingParams
 from plinth.errors import PlinthError
 
@@ -54,6 +59,7 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._cursors: dict[str, DeltaCursor] = {}  # engine thread only
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
@@ -101,7 +107,8 @@ class AsyncLLM:
         request_id: str | None = None,
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs of one request until it finishes.
+        """Yield outputs of one request until it finishes: cumulative, with
+        the deltas since the previous one.
 
         Raises RequestError (bad input) before the first output, and
         EngineOverloaded when the queue is full. Leaving the iteration early
@@ -121,9 +128,10 @@ class AsyncLLM:
         try:
             while True:
                 item = await stream.queue.get()
-                # outputs are cumulative: a slow reader skips to the newest
+                # a slow reader takes what queued up at once, deltas joined
                 while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
-                    item = stream.queue.get_nowait()
+                    newer = stream.queue.get_nowait()
+                    item = newer if isinstance(newer, BaseException) else coalesce(item, newer)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -174,8 +182,12 @@ class AsyncLLM:
                     self.engine.add_request(rid, ids, params, prompt=prompt)
                 except Exception as exc:
                     self._deliver(rid, exc)
+                    continue
+                # with the stop string kept in the output, cutting after it never takes back sent text
+                self._cursors[rid] = DeltaCursor(() if params.include_stop_str_in_output else params.stop)
             else:
                 self.engine.abort_request(msg[1])
+                self._cursors.pop(msg[1], None)
 
     def _run(self) -> None:
         if self._factory is not None:
@@ -198,10 +210,15 @@ class AsyncLLM:
                 log.exception("engine step failed; aborting the requests in flight")
                 for rid in list(self.engine.requests):
                     self.engine.abort_request(rid)
+                    self._cursors.pop(rid, None)
                     self._deliver(rid, EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
             for out in outputs:
-                self._deliver(out.request_id, EngineError(out.error) if out.error else out)
+                cursor = self._cursors.pop(out.request_id, None) if out.finished or out.error else self._cursors.get(out.request_id)
+                if out.error:
+                    self._deliver(out.request_id, EngineError(out.error))
+                elif cursor is not None:
+                    self._deliver(out.request_id, cursor.advance(out))
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
             self._deliver(rid, EngineError("the engine shut down"))

@@ -1,5 +1,9 @@
 """Anthropic-compatible routes: /v1/messages and /v1/messages/count_tokens.
 
+Only Anthropic's protocol is here: reading a request into a
+``GenerationSpec`` and rendering the one generation path's events and
+results (plinth.server.generation) as Anthropic's events and bodies.
+
 System prompts are taken both from the top-level ``system`` field and from
 ``role: "system"`` messages inline in ``messages`` (which the anthropic
 client passes through and some agents send); all of them are joined, in
@@ -9,14 +13,14 @@ order, into one leading system message, which every chat template accepts.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from plinth.engine.outputs import CompletionOutput, RequestOutput
-from plinth.server.errors import APIError, engine_exception
+from plinth.server.errors import APIError
+from plinth.server.generation import Done, Event, Failed, GenerationPipeline, GenerationSpec, Result, Started
 from plinth.server.protocol import (
     AnthropicMessage,
     AnthropicTextBlock,
@@ -41,26 +45,8 @@ from plinth.server.protocol import (
     TextDelta,
     ThinkingDelta,
 )
-from plinth.server.serving import (
-    STREAM_RESPONSE,
-    ChoiceCursor,
-    ClientDisconnected,
-    Generation,
-    ServingContext,
-    SSEResponse,
-    random_id,
-    sse_event,
-    until_disconnect,
-)
-from plinth.server.tools import (
-    OutputParser,
-    ToolPlan,
-    anthropic_tools,
-    arguments_object,
-    call_id,
-    plan_tools,
-    template_tools,
-)
+from plinth.server.serving import STREAM_RESPONSE, ServingContext, random_id, sse_event
+from plinth.server.tools import ToolPlan, anthropic_tools, arguments_object, call_id, plan_tools
 
 
 def _result_text(content: Any) -> str:
@@ -147,29 +133,23 @@ def tool_plan(req: MessagesRequest) -> ToolPlan:
     return plan_tools(tools, mode, tc.name if tc else None, parallel)
 
 
-def stop_reason(c: CompletionOutput, stop_sequences: list[str], called: bool = False) -> tuple[str | None, str | None]:
+def stop_reason(finish: str | None, reason: int | str | None, stop_sequences: list[str]) -> tuple[str | None, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for a finished choice."""
-    if called and c.finish_reason == "stop":
+    if finish == "tool_calls":
         return "tool_use", None
-    if c.finish_reason == "length":
+    if finish == "length":
         return "max_tokens", None
-    if isinstance(c.stop_reason, str) and c.stop_reason in stop_sequences:
-        return "stop_sequence", c.stop_reason
-    if c.finish_reason is None:
+    if isinstance(reason, str) and reason in stop_sequences:
+        return "stop_sequence", reason
+    if finish is None:
         return None, None
     return "end_turn", None
 
 
 class AnthropicServing:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, pipeline: GenerationPipeline) -> None:
         self.ctx = ctx
-
-    def _prompt(self, system: Any, messages: list[AnthropicMessage], plan: ToolPlan | None = None) -> tuple[str, list[int]]:
-        convo = anthropic_messages(system, messages, native_tool_calls=self.ctx.native_tool_calls)
-        text, ids = self.ctx.chat_prompt(convo, tools=template_tools(plan.tools) if plan and plan.tools else None)
-        if not ids:
-            raise APIError.bad_request("the chat template made an empty prompt", param="messages")
-        return text, ids
+        self.pipeline = pipeline
 
     @staticmethod
     def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
@@ -186,8 +166,8 @@ class AnthropicServing:
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
         self.ctx.check_model(req.model)
         tools = anthropic_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
-        _, ids = self._prompt(req.system, req.messages, ToolPlan(tools=tools))
-        return CountTokensResponse(input_tokens=len(ids))
+        convo = anthropic_messages(req.system, req.messages, native_tool_calls=self.ctx.native_tool_calls)
+        return CountTokensResponse(input_tokens=len(self.pipeline.chat_prompt(convo, ToolPlan(tools=tools)).ids))
 
     async def messages(self, req: MessagesRequest, raw: Request) -> Response:
         ctx = self.ctx
@@ -196,134 +176,111 @@ class AnthropicServing:
         if any(not s for s in stops):
             raise APIError.bad_request("stop_sequences must not hold empty strings", param="stop_sequences")
         plan = tool_plan(req)
-        text, ids = self._prompt(req.system, req.messages, plan)
-        grammar = await ctx.grammar(self._response_format(req), forced=plan.grammar)
-        params = ctx.sampling_params(
+        spec = GenerationSpec(
+            request_id=random_id("msg_"),
+            messages=anthropic_messages(req.system, req.messages, native_tool_calls=ctx.native_tool_calls),
+            sampling=dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=stops),
             max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop=stops,
-            skip_special_tokens=not ctx.needs_special_tokens(plan),
+            response_format=self._response_format(req),
+            plan=plan,
+            # thinking disabled: reasoning stays in the text (the template decides whether the model thinks)
+            reasoning=not (req.thinking and req.thinking.get("type") == "disabled"),
+            call_id_prefix="toolu_",
         )
-        params.grammar = grammar
-        thinking = not (req.thinking and req.thinking.get("type") == "disabled")
-        op = ctx.output_parser(plan, text, reasoning=thinking, id_prefix="toolu_")
-        mid = random_id("msg_")
-        gen = await ctx.start(ids, params, mid, text)
-        if req.stream:
-            return SSEResponse(self._stream(req, mid, model, gen, stops, op), generations=[gen])
-        try:
-            (final,) = await until_disconnect(raw, self._collect(gen))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        c = final.outputs[0]
-        blocks, called = self._blocks(c.text, op)
-        reason, seq = stop_reason(c, stops, called)
-        resp = MessagesResponse(
+        run = await self.pipeline.start(spec)
+        mid = spec.request_id
+        return await self.pipeline.respond(
+            raw,
+            run,
+            stream=req.stream,
+            renderer=lambda: _MessageStream(mid, model, stops, run.parsing),
+            body=lambda result: self._message(mid, model, stops, result),
+        )
+
+    @staticmethod
+    def _message(mid: str, model: str, stops: list[str], result: Result) -> MessagesResponse:
+        c = result.choices[0]
+        blocks: list[Any] = []
+        if c.reasoning:
+            blocks.append(AnthropicThinkingBlock(thinking=c.reasoning))
+        if c.content or not c.calls:
+            blocks.append(AnthropicTextBlock(text=c.content))
+        for call in c.calls:
+            blocks.append(AnthropicToolUseBlock(id=call.id, name=call.name, input=arguments_object(call.arguments)))
+        reason, seq = stop_reason(c.finish_reason, c.stop_reason, stops)
+        return MessagesResponse(
             id=mid,
             content=blocks,
             model=model,
             stop_reason=reason,
             stop_sequence=seq,
             usage=AnthropicUsage(
-                input_tokens=len(final.prompt_token_ids),
-                output_tokens=len(c.token_ids),
-                cache_read_input_tokens=final.num_cached_tokens,
+                input_tokens=result.usage.prompt_tokens,
+                output_tokens=result.usage.completion_tokens,
+                cache_read_input_tokens=result.usage.cached_tokens,
             ),
         )
-        return JSONResponse(resp.model_dump())
-
-    @staticmethod
-    def _blocks(text: str, op: OutputParser) -> tuple[list[Any], bool]:
-        if not op.active:
-            return [AnthropicTextBlock(text=text)], False
-        parsed = op.parse(text, final=True)
-        blocks: list[Any] = []
-        if parsed.reasoning:
-            blocks.append(AnthropicThinkingBlock(thinking=parsed.reasoning))
-        if parsed.content or not parsed.calls:
-            blocks.append(AnthropicTextBlock(text=parsed.content))
-        for cid, call in zip(op.call_ids(parsed.calls), parsed.calls, strict=True):
-            blocks.append(AnthropicToolUseBlock(id=cid, name=call.name, input=arguments_object(call.arguments)))
-        return blocks, bool(parsed.calls)
-
-    async def _collect(self, gen: Generation) -> list[RequestOutput]:
-        final = None
-        async for out in gen.outputs():
-            final = out
-        return [final]
-
-    async def _stream(
-        self, req: MessagesRequest, mid: str, model: str, gen: Generation, stops: list[str], op: OutputParser
-    ) -> AsyncIterator[str]:
-        def event(obj: Any) -> str:
-            return sse_event(obj.type, obj.model_dump_json())
-
-        cursor = ChoiceCursor()
-        blocks = _BlockWriter(event)
-        stream = gen.outputs()
-        started = False
-        try:
-            async for out in stream:
-                if not started:
-                    started = True
-                    yield event(
-                        MessageStartEvent(
-                            message=MessagesResponse(
-                                id=mid,
-                                content=[],
-                                model=model,
-                                usage=AnthropicUsage(
-                                    input_tokens=len(out.prompt_token_ids),
-                                    output_tokens=0,
-                                    cache_read_input_tokens=out.num_cached_tokens,
-                                ),
-                            )
-                        )
-                    )
-                    if not op.active:  # plain text: the block opens at once, as before
-                        yield blocks.open("text")
-                    yield event(PingEvent())
-                if not out.outputs:
-                    continue
-                c = out.outputs[0]
-                delta, _, _ = cursor.advance(c.text, len(c.token_ids), c.finished, stops)
-                if op.active:
-                    for e in blocks.write(op.delta(c.text[: cursor.text_len], final=c.finished)):
-                        yield e
-                elif delta:
-                    yield event(ContentBlockDeltaEvent(index=blocks.index, delta=TextDelta(text=delta)))
-                if c.finished:
-                    reason, seq = stop_reason(c, stops, op.num_calls > 0)
-                    if blocks.kind is None and blocks.index < 0:
-                        yield blocks.open("text")  # an empty answer still has its text block
-                    yield from_list(blocks.close())
-                    yield event(
-                        MessageDeltaEvent(
-                            delta=MessageDelta(stop_reason=reason, stop_sequence=seq),
-                            usage=MessageDeltaUsage(output_tokens=len(c.token_ids)),
-                        )
-                    )
-                    yield event(MessageStopEvent())
-                    return
-            if started:  # ended without a finish (the engine shut down): close the message anyway
-                yield from_list(blocks.close())
-                yield event(
-                    MessageDeltaEvent(
-                        delta=MessageDelta(stop_reason="end_turn"), usage=MessageDeltaUsage(output_tokens=cursor.tokens)
-                    )
-                )
-                yield event(MessageStopEvent())
-        except Exception as exc:
-            err = engine_exception(exc)
-            yield sse_event("error", json.dumps(err.anthropic_body()))
-        finally:
-            await stream.aclose()
 
 
-def from_list(events: list[str]) -> str:
-    return "".join(events)
+class _MessageStream:
+    """/v1/messages events: message_start when the prompt is in, then one
+    content block at a time (thinking, text, tool_use), message_delta with
+    the stop reason, message_stop."""
+
+    def __init__(self, mid: str, model: str, stops: list[str], parsing: bool) -> None:
+        self.mid, self.model, self.stops, self.parsing = mid, model, stops, parsing
+        self.blocks = _BlockWriter(_event)
+        self.started = False
+        self.finished = False
+        self.output_tokens = 0
+
+    def start(self) -> Iterable[str]:
+        return ()
+
+    def event(self, ev: Event) -> Iterable[str]:
+        if isinstance(ev, Failed):
+            return [sse_event("error", json.dumps(ev.error.anthropic_body()))]
+        if isinstance(ev, Done):
+            return ()
+        out: list[str] = []
+        if isinstance(ev, Started):
+            self.started = True
+            usage = AnthropicUsage(input_tokens=ev.prompt_tokens, output_tokens=0, cache_read_input_tokens=ev.cached_tokens)
+            out.append(_event(MessageStartEvent(message=MessagesResponse(id=self.mid, content=[], model=self.model, usage=usage))))
+            if not self.parsing:  # plain text: its block opens at once
+                out.append(self.blocks.open("text"))
+            out.append(_event(PingEvent()))
+            return out
+        if self.finished or ev.index != 0:
+            return ()
+        self.output_tokens = ev.num_tokens
+        out += self.blocks.write(ev)
+        if ev.finish_reason:
+            self.finished = True
+            reason, seq = stop_reason(ev.finish_reason, ev.stop_reason, self.stops)
+            out += self._close(reason, seq)
+        return out
+
+    def _close(self, reason: str | None, seq: str | None) -> list[str]:
+        out = []
+        if self.blocks.kind is None and self.blocks.index < 0:
+            out.append(self.blocks.open("text"))  # an empty answer still has its text block
+        out += self.blocks.close()
+        out.append(
+            _event(MessageDeltaEvent(delta=MessageDelta(stop_reason=reason, stop_sequence=seq), usage=MessageDeltaUsage(output_tokens=self.output_tokens)))
+        )
+        out.append(_event(MessageStopEvent()))
+        return out
+
+    def end(self) -> Iterable[str]:
+        if self.started and not self.finished:  # ended without a finish (the engine stopped): close the message anyway
+            self.finished = True
+            return self._close("end_turn", None)
+        return ()
+
+
+def _event(obj: Any) -> str:
+    return sse_event(obj.type, obj.model_dump_json())
 
 
 class _BlockWriter:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from plinth import __version__
 from plinth.server import anthropic_api, openai_api, responses_api
 from plinth.server.errors import APIError, error_body, error_bytes, is_anthropic_path, validation_message
+from plinth.server.generation import GenerationPipeline
 from plinth.server.metrics import CONTENT_TYPE
 from plinth.server.protocol import (
     DetokenizeRequest,
@@ -198,9 +199,11 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     # ---- routes ----------------------------------------------------------------------
 
-    app.include_router(openai_api.router(openai_api.OpenAIServing(ctx)))
-    app.include_router(anthropic_api.router(anthropic_api.AnthropicServing(ctx)))
-    app.include_router(responses_api.router(responses_api.ResponsesServing(ctx)))
+    # every generating route goes through the one pipeline; the route modules hold their protocol's shapes
+    pipeline = GenerationPipeline(ctx)
+    app.include_router(openai_api.router(openai_api.OpenAIServing(ctx, pipeline)))
+    app.include_router(anthropic_api.router(anthropic_api.AnthropicServing(ctx, pipeline)))
+    app.include_router(responses_api.router(responses_api.ResponsesServing(ctx, pipeline)))
 
     def _alive() -> bool:
         thread = getattr(engine, "_thread", None)

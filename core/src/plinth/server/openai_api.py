@@ -1,16 +1,32 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Only OpenAI's protocol is here: reading a request into a ``GenerationSpec``
+and rendering the one generation path's events and results
+(plinth.server.generation) as OpenAI's chunks and bodies."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from plinth.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plinth.server.errors import APIError, engine_exception
+from plinth.engine.outputs import TokenLogprobs
+from plinth.server.errors import APIError
+from plinth.server.generation import (
+    Done,
+    Event,
+    Failed,
+    GenerationPipeline,
+    GenerationSpec,
+    Prompt,
+    Result,
+    Run,
+    Started,
+)
+from plinth.server.generation import Usage as TokenUsage
 from plinth.server.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -35,21 +51,8 @@ from plinth.server.protocol import (
     TopLogprob,
     Usage,
 )
-from plinth.server.serving import (
-    STREAM_RESPONSE,
-    ChoiceCursor,
-    ClientDisconnected,
-    Generation,
-    ServingContext,
-    SSEResponse,
-    clamp_logprob,
-    merged,
-    now_s,
-    random_id,
-    sse,
-    until_disconnect,
-)
-from plinth.server.tools import OutputParser, arguments_object, openai_tools, plan_tools, template_tools
+from plinth.server.serving import STREAM_RESPONSE, ServingContext, clamp_logprob, now_s, random_id, sse
+from plinth.server.tools import arguments_object, openai_tools, plan_tools
 
 MAX_TOP_LOGPROBS = 20
 
@@ -104,12 +107,12 @@ def tool_choice_of(choice: Any) -> tuple[str | None, str | None]:
     return "named", choice.function.name
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:
+def usage_of(u: TokenUsage) -> Usage:
     return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
     )
 
 
@@ -120,8 +123,9 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 class OpenAIServing:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, pipeline: GenerationPipeline) -> None:
         self.ctx = ctx
+        self.pipeline = pipeline
 
     # ---- logprobs --------------------------------------------------------------------
 
@@ -163,6 +167,11 @@ class OpenAIServing:
             out.top_logprobs.append(top)
         return out
 
+    def prompt_logprobs(self, ids: list[int], plp: list[TokenLogprobs | None] | None, k: int) -> CompletionLogprobs:
+        """The echoed prompt's logprobs (None for the first token and any not computed)."""
+        given = list(plp or [])
+        return self.completion_logprobs(ids, given + [None] * (len(ids) - len(given)), k, 0)
+
     # ---- /v1/models -------------------------------------------------------------------
 
     def models(self) -> ModelList:
@@ -176,196 +185,67 @@ class OpenAIServing:
 
     # ---- /v1/completions ---------------------------------------------------------------
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        p = req.prompt
-        if isinstance(p, str):
-            return [(p, self.ctx.encode(p))]
-        if not p:
-            raise APIError.bad_request("prompt must not be empty", param="prompt")
-        if isinstance(p[0], str):
-            return [(s, self.ctx.encode(s)) for s in p]
-        if isinstance(p[0], int):
-            return [(None, self.ctx.check_prompt_ids(p))]
-        prompts = []
-        for i, ids in enumerate(p):
-            if not ids:
-                raise APIError.bad_request(f"prompt {i} is empty", param="prompt")
-            prompts.append((None, self.ctx.check_prompt_ids(ids)))
-        return prompts
-
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        ctx = self.ctx
-        model = ctx.check_model(req.model)
+        model = self.ctx.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise APIError.bad_request("best_of is not supported (it must equal n when given)", param="best_of")
         if req.suffix:
             raise APIError.bad_request("suffix is not supported", param="suffix")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise APIError.bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", param="logprobs")
-        prompts = self._completion_prompts(req)
-        for i, (text, ids) in enumerate(prompts):
-            if text is not None and not ids:
-                raise APIError.bad_request(f"prompt {i} is empty", param="prompt")
-        grammar = await ctx.grammar(req.response_format, req.guided_json, req.guided_regex)
-        stops = _stop_list(req.stop)
-        max_tokens = req.max_tokens if req.max_tokens is not None else ctx.default_max_tokens(max(len(i) for _, i in prompts))
-        base = dict(
-            req.sampling_kwargs(stops),
-            max_tokens=max_tokens,
-            logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
-            logit_bias=ctx.logit_bias(req.logit_bias),
+        p = req.prompt
+        spec = GenerationSpec(
+            request_id=random_id("cmpl-"),
+            # one engine request per prompt: a string, or token ids
+            prompts=[p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p),  # type: ignore[list-item]
+            prompt_param="prompt",
+            sampling=dict(
+                req.sampling_kwargs(_stop_list(req.stop)),
+                logprobs=req.logprobs,
+                prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            ),
+            max_tokens=req.max_tokens,
+            logit_bias=req.logit_bias,
+            response_format=req.response_format,
+            guided_json=req.guided_json,
+            guided_regex=req.guided_regex,
+            reasoning=False,  # completions are raw text
         )
-        rid = random_id("cmpl-")
-        gens: list[Generation] = []
-        try:
-            for i, (text, ids) in enumerate(prompts):
-                params = ctx.sampling_params(**base)
-                if grammar is not None:
-                    params.grammar = grammar if i == 0 else grammar.fork()
-                gens.append(await ctx.start(ids, params, f"{rid}-{i}", text))
-        except BaseException:
-            for g in gens:
-                g.close_nowait()
-            raise
-        created = now_s()
-        if req.stream:
-            return SSEResponse(self._completion_stream(req, rid, created, model, prompts, gens, stops), generations=gens)
-        try:
-            finals = await until_disconnect(raw, self._collect(gens))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        return JSONResponse(self._completion_response(req, rid, created, model, prompts, finals).model_dump())
+        run = await self.pipeline.start(spec)
+        rid, created = spec.request_id, now_s()
+        return await self.pipeline.respond(
+            raw,
+            run,
+            stream=req.stream,
+            renderer=lambda: _CompletionStream(self, req, rid, created, model, run),
+            body=lambda result: self._completion_response(req, rid, created, model, result),
+        )
 
-    async def _collect(self, gens: list[Generation]) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(gens)
-        async for i, out in merged(gens):
-            finals[i] = out
-        return [f for f in finals if f is not None]
+    def echo_prefix(self, prompt: Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.ctx.tokenizer.decode(prompt.ids, skip_special_tokens=False)
 
-    def _echo_prefix(self, req: CompletionRequest, prompt_text: str | None, ids: list[int]) -> str:
-        return prompt_text if prompt_text is not None else self.ctx.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def _completion_response(
-        self,
-        req: CompletionRequest,
-        rid: str,
-        created: int,
-        model: str,
-        prompts: list[tuple[str | None, list[int]]],
-        finals: list[RequestOutput],
-    ) -> CompletionResponse:
+    def _completion_response(self, req: CompletionRequest, rid: str, created: int, model: str, result: Result) -> CompletionResponse:
         choices = []
-        prompt_tokens = completion_tokens = cached = 0
-        for p_idx, (out, (ptext, pids)) in enumerate(zip(finals, prompts, strict=False)):
-            prompt_tokens += len(out.prompt_token_ids)
-            cached += out.num_cached_tokens
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                text = c.text
-                logprobs = None
+        for c in result.choices:
+            p = result.prompts[c.prompt_index]
+            text = c.text
+            logprobs = None
+            if req.echo:
+                text = self.echo_prefix(Prompt(p.text, p.token_ids)) + text
+            if req.logprobs is not None:
+                ids: list[int] = []
+                lps: list[TokenLogprobs | None] = []
                 if req.echo:
-                    prefix = self._echo_prefix(req, ptext, pids)
-                    text = prefix + text
-                if req.logprobs is not None:
-                    ids: list[int] = []
-                    lps: list[TokenLogprobs | None] = []
-                    if req.echo:
-                        ids += list(out.prompt_token_ids)
-                        plp = list(out.prompt_logprobs or [])
-                        lps += plp + [None] * (len(ids) - len(plp))
-                    ids += list(c.token_ids)
-                    lps += list(c.logprobs or [])
-                    logprobs = self.completion_logprobs(ids, lps, req.logprobs, 0)
-                choices.append(
-                    CompletionChoice(
-                        index=p_idx * req.n + c.index,
-                        text=text,
-                        logprobs=logprobs,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
-                )
-        choices.sort(key=lambda c: c.index)
-        return CompletionResponse(
-            id=rid, created=created, model=model, choices=choices, usage=usage_of(prompt_tokens, completion_tokens, cached)
-        )
-
-    async def _completion_stream(
-        self,
-        req: CompletionRequest,
-        rid: str,
-        created: int,
-        model: str,
-        prompts: list[tuple[str | None, list[int]]],
-        gens: list[Generation],
-        stops: list[str],
-    ) -> AsyncIterator[str]:
-        n = req.n
-        cursors: dict[int, ChoiceCursor] = {}
-        offsets: dict[int, int] = {}
-        prompt_tokens: dict[int, int] = {}
-        completion_tokens: dict[int, int] = {}
-        cached: dict[int, int] = {}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        ctx_width = self.ctx.text_width
-
-        def chunk(choices: list[CompletionChoice]) -> str:
-            return sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=choices).model_dump_json())
-
-        stream = merged(gens)
-        try:
-            async for p_idx, out in stream:
-                prompt_tokens[p_idx] = len(out.prompt_token_ids)
-                cached[p_idx] = out.num_cached_tokens
-                for c in out.outputs:
-                    index = p_idx * n + c.index
-                    cur = cursors.get(index)
-                    choices: list[CompletionChoice] = []
-                    if cur is None:
-                        cur = cursors[index] = ChoiceCursor()
-                        offsets[index] = 0
-                        if req.echo:
-                            ptext, pids = prompts[p_idx]
-                            prefix = self._echo_prefix(req, ptext, pids)
-                            lp = None
-                            if req.logprobs is not None:
-                                plp = list(out.prompt_logprobs or [])
-                                ids = list(out.prompt_token_ids)
-                                lp = self.completion_logprobs(ids, plp + [None] * (len(ids) - len(plp)), req.logprobs, 0)
-                            offsets[index] = len(prefix)
-                            choices.append(CompletionChoice(index=index, text=prefix, logprobs=lp))
-                    if cur.finished:
-                        continue
-                    completion_tokens[index] = len(c.token_ids)
-                    delta, t0, t1 = cur.advance(c.text, len(c.token_ids), c.finished, stops)
-                    lp = None
-                    if req.logprobs is not None and t1 > t0:
-                        lp = self.completion_logprobs(list(c.token_ids[t0:t1]), list((c.logprobs or [])[t0:t1]), req.logprobs, offsets[index])
-                        offsets[index] += sum(ctx_width(t) for t in c.token_ids[t0:t1])
-                    if c.finished:
-                        cur.finished = True
-                    if delta or lp is not None or c.finished:
-                        choices.append(
-                            CompletionChoice(
-                                index=index,
-                                text=delta,
-                                logprobs=lp,
-                                finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason if c.finished else None,
-                            )
-                        )
-                    if choices:
-                        yield chunk(choices)
-            if include_usage:
-                usage = usage_of(sum(prompt_tokens.values()), sum(completion_tokens.values()), sum(cached.values()))
-                yield sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[], usage=usage).model_dump_json())
-        except Exception as exc:
-            err = engine_exception(exc)
-            yield sse(json.dumps(err.openai_body()))
-        finally:
-            await stream.aclose()
-        yield sse("[DONE]")
+                    ids += p.token_ids
+                    plp = list(p.prompt_logprobs or [])
+                    lps += plp + [None] * (len(ids) - len(plp))
+                ids += c.token_ids
+                lps += list(c.logprobs or [])
+                logprobs = self.completion_logprobs(ids, lps, req.logprobs, 0)
+            choices.append(
+                CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            )
+        return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage_of(result.usage))
 
     # ---- /v1/chat/completions -------------------------------------------------------------
 
@@ -381,162 +261,140 @@ class OpenAIServing:
                 raise APIError.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
         tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
         mode, named = tool_choice_of(req.tool_choice)
-        plan = plan_tools(tools, mode, named, req.parallel_tool_calls is not False)
-        messages = chat_messages(req.messages, native_tool_calls=ctx.native_tool_calls)
-        prompt_text, ids = ctx.chat_prompt(
-            messages,
+        spec = GenerationSpec(
+            request_id=random_id("chatcmpl-"),
+            messages=chat_messages(req.messages, native_tool_calls=ctx.native_tool_calls),
             add_generation_prompt=req.add_generation_prompt,
             template_kwargs=req.chat_template_kwargs,
-            tools=template_tools(tools) or None,
+            sampling=dict(req.sampling_kwargs(_stop_list(req.stop)), logprobs=(req.top_logprobs or 0) if req.logprobs else None),
+            max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+            logit_bias=req.logit_bias,
+            response_format=req.response_format,
+            guided_json=req.guided_json,
+            guided_regex=req.guided_regex,
+            plan=plan_tools(tools, mode, named, req.parallel_tool_calls is not False),
         )
-        if not ids:
-            raise APIError.bad_request("the chat template made an empty prompt", param="messages")
-        grammar = await ctx.grammar(req.response_format, req.guided_json, req.guided_regex, forced=plan.grammar)
-        stops = _stop_list(req.stop)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = ctx.default_max_tokens(len(ids))
-        kwargs = req.sampling_kwargs(stops)
-        if ctx.needs_special_tokens(plan):
-            kwargs["skip_special_tokens"] = False
-        params = ctx.sampling_params(
-            **kwargs,
-            max_tokens=max_tokens,
-            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-            logit_bias=ctx.logit_bias(req.logit_bias),
+        run = await self.pipeline.start(spec)
+        rid, created = spec.request_id, now_s()
+        return await self.pipeline.respond(
+            raw,
+            run,
+            stream=req.stream,
+            renderer=lambda: _ChatStream(self, req, rid, created, model),
+            body=lambda result: self._chat_response(req, rid, created, model, result),
         )
-        params.grammar = grammar
-        parsers = [ctx.output_parser(plan, prompt_text) for _ in range(req.n)]
-        rid = random_id("chatcmpl-")
-        gen = await ctx.start(ids, params, rid, prompt_text)
-        created = now_s()
-        if req.stream:
-            return SSEResponse(self._chat_stream(req, rid, created, model, gen, stops, parsers), generations=[gen])
-        try:
-            (final,) = await until_disconnect(raw, self._collect([gen]))
-        except ClientDisconnected:
-            return Response(status_code=499)
+
+    def _chat_response(self, req: ChatCompletionRequest, rid: str, created: int, model: str, result: Result) -> ChatCompletionResponse:
         k = req.top_logprobs or 0
         choices = []
-        for c in final.outputs:
-            message, finish = self._chat_message(c, parsers[c.index])
+        for c in result.choices:
+            calls = [ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in c.calls]
+            message = ChatResponseMessage(
+                content=c.content if c.content or not calls else None, reasoning_content=c.reasoning, tool_calls=calls
+            )
             choices.append(
                 ChatCompletionChoice(
                     index=c.index,
                     message=message,
                     logprobs=self.chat_logprobs(c.logprobs or [], k) if req.logprobs else None,
-                    finish_reason=finish,
+                    finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
             )
-        resp = ChatCompletionResponse(
-            id=rid,
-            created=created,
-            model=model,
-            choices=choices,
-            usage=usage_of(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens),
-        )
-        return JSONResponse(resp.model_dump())
+        return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage_of(result.usage))
 
-    @staticmethod
-    def _chat_message(c: CompletionOutput, op: OutputParser) -> tuple[ChatResponseMessage, str | None]:
-        if not op.active:
-            return ChatResponseMessage(content=c.text), c.finish_reason
-        parsed = op.parse(c.text, final=True)
-        ids = op.call_ids(parsed.calls)
-        calls = [ToolCall(id=i, function=FunctionCall(name=t.name, arguments=t.arguments)) for i, t in zip(ids, parsed.calls, strict=True)]
-        message = ChatResponseMessage(
-            content=parsed.content if parsed.content or not calls else None,
-            reasoning_content=parsed.reasoning or None,
-            tool_calls=calls,
-        )
-        return message, finish_reason(c.finish_reason, bool(calls))
 
-    async def _chat_stream(
-        self,
-        req: ChatCompletionRequest,
-        rid: str,
-        created: int,
-        model: str,
-        gen: Generation,
-        stops: list[str],
-        parsers: list[OutputParser],
-    ) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        k = req.top_logprobs or 0
+class _CompletionStream:
+    """/v1/completions chunks: the echoed prompt first, then text with its logprobs."""
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: Usage | None = None) -> str:
-            return sse(
-                ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump_json()
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest, rid: str, created: int, model: str, run: Run) -> None:
+        self.serving, self.req, self.rid, self.created, self.model, self.run = serving, req, rid, created, model, run
+        self.offsets: dict[int, int] = {}  # choice -> text offset of its next token
+        self.started: dict[int, Started] = {}  # prompt -> its first output's prompt details
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        return sse(CompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage).model_dump_json())
+
+    def start(self) -> Iterable[str]:
+        return ()
+
+    def event(self, ev: Event) -> Iterable[str]:
+        req = self.req
+        if isinstance(ev, Started):
+            self.started[ev.prompt_index] = ev
+            return ()
+        if isinstance(ev, Failed):
+            return [sse(json.dumps(ev.error.openai_body()))]
+        if isinstance(ev, Done):
+            if req.stream_options and req.stream_options.include_usage:
+                return [self._chunk([], usage_of(ev.usage))]
+            return ()
+        choices: list[CompletionChoice] = []
+        if ev.index not in self.offsets:
+            self.offsets[ev.index] = 0
+            if req.echo:
+                prefix = self.serving.echo_prefix(self.run.prompts[ev.prompt_index])
+                lp = None
+                if req.logprobs is not None:
+                    st = self.started[ev.prompt_index]
+                    lp = self.serving.prompt_logprobs(st.prompt_token_ids, st.prompt_logprobs, req.logprobs)
+                self.offsets[ev.index] = len(prefix)
+                choices.append(CompletionChoice(index=ev.index, text=prefix, logprobs=lp))
+        lp = None
+        if req.logprobs is not None and ev.token_ids:
+            lp = self.serving.completion_logprobs(ev.token_ids, list(ev.logprobs or []), req.logprobs, self.offsets[ev.index])
+            self.offsets[ev.index] += sum(self.serving.ctx.text_width(t) for t in ev.token_ids)
+        if ev.content or lp is not None or ev.finish_reason:
+            choices.append(
+                CompletionChoice(index=ev.index, text=ev.content, logprobs=lp, finish_reason=ev.finish_reason, stop_reason=ev.stop_reason)
             )
+        return [self._chunk(choices)] if choices else ()
 
-        cursors = [ChoiceCursor() for _ in range(req.n)]
-        final: RequestOutput | None = None
-        stream = gen.outputs()
-        try:
-            # the role first, for every choice, as OpenAI does
-            yield chunk(
-                [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)]
-            )
-            async for out in stream:
-                final = out
-                for c in out.outputs:
-                    cur = cursors[c.index]
-                    if cur.finished:
-                        continue
-                    piece = self._chat_delta(req, c, cur, stops, k, parsers[c.index])
-                    if piece is not None:
-                        yield chunk([piece])
-            if include_usage and final is not None:
-                usage = usage_of(
-                    len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens
-                )
-                yield chunk([], usage)
-        except Exception as exc:
-            err = engine_exception(exc)
-            yield sse(json.dumps(err.openai_body()))
-        finally:
-            await stream.aclose()
-        yield sse("[DONE]")
+    def end(self) -> Iterable[str]:
+        return [sse("[DONE]")]
 
-    def _chat_delta(
-        self, req: ChatCompletionRequest, c: CompletionOutput, cur: ChoiceCursor, stops: list[str], k: int, op: OutputParser
-    ) -> ChatCompletionStreamChoice | None:
-        delta, t0, t1 = cur.advance(c.text, len(c.token_ids), c.finished, stops)
-        logprobs = None
-        if req.logprobs and t1 > t0:
-            logprobs = self.chat_logprobs(list((c.logprobs or [])[t0:t1]), k)
-        if c.finished:
-            cur.finished = True
-        finish = c.finish_reason
-        if op.active:
-            # the parsers read everything shown so far (held-back stop-string text is not shown)
-            d = op.delta(c.text[: cur.text_len], final=c.finished)
-            msg = DeltaMessage(
-                content=d.content or None,
-                reasoning_content=d.reasoning or None,
-                tool_calls=[_call_delta(x) for x in d.calls] or None,
-            )
-            if c.finished:
-                finish = finish_reason(c.finish_reason, op.num_calls > 0)
-            if not d and logprobs is None and not c.finished:
-                return None
-        else:
-            if not delta and logprobs is None and not c.finished:
-                return None
-            msg = DeltaMessage(content=delta) if delta or not c.finished else DeltaMessage()
-        return ChatCompletionStreamChoice(
-            index=c.index,
-            delta=msg,
-            logprobs=logprobs,
-            finish_reason=finish,
-            stop_reason=c.stop_reason if c.finished else None,
+
+class _ChatStream:
+    """/v1/chat/completions chunks: the role first, then content, reasoning and
+    tool-call pieces with their logprobs; finish_reason on a choice's last."""
+
+    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest, rid: str, created: int, model: str) -> None:
+        self.serving, self.req, self.rid, self.created, self.model = serving, req, rid, created, model
+
+    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: Usage | None = None) -> str:
+        return sse(
+            ChatCompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage).model_dump_json()
         )
 
+    def start(self) -> Iterable[str]:
+        # the role first, for every choice, as OpenAI does
+        return [self._chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(self.req.n)])]
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """A choice that ended by itself after calling tools ended for them."""
-    return "tool_calls" if called and reason == "stop" else reason
+    def event(self, ev: Event) -> Iterable[str]:
+        req = self.req
+        if isinstance(ev, Started):
+            return ()
+        if isinstance(ev, Failed):
+            return [sse(json.dumps(ev.error.openai_body()))]
+        if isinstance(ev, Done):
+            if req.stream_options and req.stream_options.include_usage:
+                return [self._chunk([], usage_of(ev.usage))]
+            return ()
+        logprobs = self.serving.chat_logprobs(list(ev.logprobs or []), req.top_logprobs or 0) if req.logprobs and ev.token_ids else None
+        if not (ev.reasoning or ev.content or ev.calls or logprobs is not None or ev.finish_reason):
+            return ()
+        msg = DeltaMessage(
+            content=ev.content or None,
+            reasoning_content=ev.reasoning or None,
+            tool_calls=[_call_delta(x) for x in ev.calls] or None,
+        )
+        choice = ChatCompletionStreamChoice(
+            index=ev.index, delta=msg, logprobs=logprobs, finish_reason=ev.finish_reason, stop_reason=ev.stop_reason
+        )
+        return [self._chunk([choice])]
+
+    def end(self) -> Iterable[str]:
+        return [sse("[DONE]")]
 
 
 def _call_delta(d: Any) -> dict[str, Any]:

@@ -12,29 +12,18 @@ answer's output items are reasoning, a message with ``output_text``, and
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field
 
-from plinth.engine.outputs import CompletionOutput, RequestOutput
-from plinth.server.errors import APIError, engine_exception
+from plinth.server.errors import APIError
+from plinth.server.generation import Done, Event, Failed, GenerationPipeline, GenerationSpec, Result, Started, Usage
 from plinth.server.protocol import _Request, _Response
-from plinth.server.serving import (
-    STREAM_RESPONSE,
-    ChoiceCursor,
-    ClientDisconnected,
-    Generation,
-    ServingContext,
-    SSEResponse,
-    now_s,
-    random_id,
-    sse_event,
-    until_disconnect,
-)
-from plinth.server.tools import OutputParser, ToolPlan, arguments_object, openai_tools, plan_tools, template_tools
+from plinth.server.serving import STREAM_RESPONSE, ServingContext, now_s, random_id, sse_event
+from plinth.server.tools import ToolPlan, arguments_object, openai_tools, plan_tools
 
 
 class ResponsesRequest(_Request):
@@ -152,8 +141,9 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 class ResponsesServing:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, pipeline: GenerationPipeline) -> None:
         self.ctx = ctx
+        self.pipeline = pipeline
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         ctx = self.ctx
@@ -166,30 +156,24 @@ class ResponsesServing:
         if mode == "named" and (tc.get("type") != "function" or not isinstance(named, str)):
             raise APIError.bad_request('tool_choice must be auto, none, required or {"type": "function", "name": ...}', param="tool_choice")
         plan = plan_tools(tools, mode, named, req.parallel_tool_calls is not False)
-        prompt, ids = ctx.chat_prompt(input_messages(req, native_tool_calls=ctx.native_tool_calls), tools=template_tools(tools) or None)
-        if not ids:
-            raise APIError.bad_request("the chat template made an empty prompt", param="input")
-        grammar = await ctx.grammar(response_format(req.text), forced=plan.grammar)
-        params = ctx.sampling_params(
-            max_tokens=req.max_output_tokens or ctx.default_max_tokens(len(ids)),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            skip_special_tokens=not ctx.needs_special_tokens(plan),
+        spec = GenerationSpec(
+            request_id=random_id("resp_"),
+            messages=input_messages(req, native_tool_calls=ctx.native_tool_calls),
+            prompt_param="input",
+            sampling=dict(temperature=req.temperature, top_p=req.top_p, seed=req.seed),
+            max_tokens=req.max_output_tokens,
+            response_format=response_format(req.text),
+            plan=plan,
         )
-        params.grammar = grammar
-        op = ctx.output_parser(plan, prompt)
-        rid = random_id("resp_")
-        gen = await ctx.start(ids, params, rid, prompt)
-        shell = self._shell(req, rid, model, plan)
-        if req.stream:
-            return SSEResponse(self._stream(shell, gen, op), generations=[gen])
-        try:
-            final = await until_disconnect(raw, self._collect(gen))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        c = final.outputs[0]
-        return JSONResponse(self._finish(shell, final, c, self._items(c.text, op)).model_dump())
+        run = await self.pipeline.start(spec)
+        shell = self._shell(req, spec.request_id, model, plan)
+        return await self.pipeline.respond(
+            raw,
+            run,
+            stream=req.stream,
+            renderer=lambda: _ResponseStream(shell),
+            body=lambda result: self._body(shell, result),
+        )
 
     @staticmethod
     def _shell(req: ResponsesRequest, rid: str, model: str, plan: ToolPlan) -> ResponseObject:
@@ -210,141 +194,131 @@ class ResponsesServing:
             metadata=req.metadata or {},
         )
 
-    async def _collect(self, gen: Generation) -> RequestOutput:
-        final = None
-        async for out in gen.outputs():
-            final = out
-        if final is None:
-            raise APIError(503, "the engine stopped before answering", code="overloaded")
-        return final
-
     @staticmethod
-    def _items(text: str, op: OutputParser) -> list[dict[str, Any]]:
-        parsed = op.parse(text, final=True) if op.active else None
+    def _body(shell: ResponseObject, result: Result) -> ResponseObject:
+        c = result.choices[0]
         items: list[dict[str, Any]] = []
-        if parsed is None:
-            return [_message(text)]
-        if parsed.reasoning:
-            items.append(_reasoning(parsed.reasoning))
-        if parsed.content or not parsed.calls:
-            items.append(_message(parsed.content))
-        for cid, call in zip(op.call_ids(parsed.calls), parsed.calls, strict=True):
-            items.append(_function_call(cid, call.name, call.arguments))
-        return items
+        if c.reasoning:
+            items.append(_reasoning(c.reasoning))
+        if c.content or not c.calls:
+            items.append(_message(c.content))
+        for call in c.calls:
+            items.append(_function_call(call.id, call.name, call.arguments))
+        return _finish(shell, result.usage, c.finish_reason, items)
 
-    @staticmethod
-    def _finish(shell: ResponseObject, final: RequestOutput, c: CompletionOutput, items: list[dict[str, Any]]) -> ResponseObject:
-        out = shell.model_copy(deep=True)
-        out.output = items
-        out.status = "incomplete" if c.finish_reason == "length" else "completed"
-        if c.finish_reason == "length":
-            out.incomplete_details = {"reason": "max_output_tokens"}
-            for item in items:
-                item["status"] = "incomplete"
-        n_in, n_out = len(final.prompt_token_ids), len(c.token_ids)
-        out.usage = {
-            "input_tokens": n_in,
-            "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-            "output_tokens": n_out,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": n_in + n_out,
-        }
+
+def _finish(shell: ResponseObject, usage: Usage, finish: str | None, items: list[dict[str, Any]]) -> ResponseObject:
+    out = shell.model_copy(deep=True)
+    out.output = items
+    out.status = "incomplete" if finish == "length" else "completed"
+    if finish == "length":
+        out.incomplete_details = {"reason": "max_output_tokens"}
+        for item in items:
+            item["status"] = "incomplete"
+    out.usage = {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+    return out
+
+
+class _ResponseStream:
+    """The Responses events: created, in_progress, then per output item
+    (reasoning, message, function_call) added / deltas / done, then completed
+    or incomplete with the whole response."""
+
+    def __init__(self, shell: ResponseObject) -> None:
+        self.shell = shell
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []  # finished items, in order
+        self.cur: dict[str, Any] | None = None  # the open item
+        self.finish: str | None = None
+
+    def _ev(self, kind: str, **data: Any) -> str:
+        self.seq += 1
+        return sse_event(kind, json.dumps({"type": kind, "sequence_number": self.seq - 1, **data}))
+
+    def start(self) -> Iterable[str]:
+        return [self._ev("response.created", response=self.shell.model_dump()), self._ev("response.in_progress", response=self.shell.model_dump())]
+
+    def _close(self) -> list[str]:
+        cur = self.cur
+        if cur is None:
+            return []
+        idx = len(self.items)
+        ev = []
+        if cur["type"] == "message":
+            part = cur["content"][0]
+            ev.append(self._ev("response.output_text.done", item_id=cur["id"], output_index=idx, content_index=0, text=part["text"], logprobs=[]))
+            ev.append(self._ev("response.content_part.done", item_id=cur["id"], output_index=idx, content_index=0, part=part))
+        elif cur["type"] == "reasoning":
+            text = cur["content"][0]["text"]
+            ev.append(self._ev("response.reasoning_text.done", item_id=cur["id"], output_index=idx, content_index=0, text=text))
+        else:
+            ev.append(self._ev("response.function_call_arguments.done", item_id=cur["id"], output_index=idx, name=cur["name"], arguments=cur["arguments"]))
+        cur["status"] = "completed"
+        ev.append(self._ev("response.output_item.done", output_index=idx, item=cur))
+        self.items.append(cur)
+        self.cur = None
+        return ev
+
+    def _open(self, item: dict[str, Any]) -> list[str]:
+        ev = self._close()
+        self.cur = item
+        idx = len(self.items)
+        added = dict(item, status="in_progress")
+        if item["type"] == "message":
+            added["content"] = []
+        ev.append(self._ev("response.output_item.added", output_index=idx, item=added))
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            ev.append(self._ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0, part=part))
+        return ev
+
+    def event(self, ev: Event) -> Iterable[str]:
+        if isinstance(ev, Started):
+            return ()
+        if isinstance(ev, Failed):
+            err = ev.error
+            return [self._ev("error", code=err.code or err.type, message=err.message, param=err.param)]
+        if isinstance(ev, Done):
+            out = []
+            if self.cur is None and not self.items:
+                out += self._open(_message(""))
+            out += self._close()
+            done = _finish(self.shell, ev.usage, self.finish, self.items)
+            out.append(self._ev("response.completed" if done.status == "completed" else "response.incomplete", response=done.model_dump()))
+            return out
+        out = []
+        idx = len(self.items)
+        if ev.reasoning:
+            if self.cur is None or self.cur["type"] != "reasoning":
+                out += self._open(_reasoning(""))
+                idx = len(self.items)
+            self.cur["content"][0]["text"] += ev.reasoning
+            out.append(self._ev("response.reasoning_text.delta", item_id=self.cur["id"], output_index=idx, content_index=0, delta=ev.reasoning))
+        if ev.content:
+            if self.cur is None or self.cur["type"] != "message":
+                out += self._open(_message(""))
+                idx = len(self.items)
+            self.cur["content"][0]["text"] += ev.content
+            out.append(self._ev("response.output_text.delta", item_id=self.cur["id"], output_index=idx, content_index=0, delta=ev.content, logprobs=[]))
+        for cd in ev.calls:
+            if cd.name is not None:
+                out += self._open(_function_call(cd.id or "", cd.name, ""))
+                idx = len(self.items)
+            if cd.arguments and self.cur is not None and self.cur["type"] == "function_call":
+                self.cur["arguments"] += cd.arguments
+                out.append(self._ev("response.function_call_arguments.delta", item_id=self.cur["id"], output_index=idx, delta=cd.arguments))
+        if ev.finish_reason:
+            self.finish = ev.finish_reason
         return out
 
-    async def _stream(self, shell: ResponseObject, gen: Generation, op: OutputParser) -> AsyncIterator[str]:
-        seq = 0
-
-        def event(kind: str, **data: Any) -> str:
-            nonlocal seq
-            seq += 1
-            return sse_event(kind, json.dumps({"type": kind, "sequence_number": seq - 1, **data}))
-
-        yield event("response.created", response=shell.model_dump())
-        yield event("response.in_progress", response=shell.model_dump())
-        items: list[dict[str, Any]] = []  # finished items, in order
-        cur: dict[str, Any] | None = None  # the open item
-
-        def close() -> list[str]:
-            nonlocal cur
-            if cur is None:
-                return []
-            idx = len(items)
-            ev = []
-            if cur["type"] == "message":
-                part = cur["content"][0]
-                ev.append(event("response.output_text.done", item_id=cur["id"], output_index=idx, content_index=0, text=part["text"], logprobs=[]))
-                ev.append(event("response.content_part.done", item_id=cur["id"], output_index=idx, content_index=0, part=part))
-            elif cur["type"] == "reasoning":
-                text = cur["content"][0]["text"]
-                ev.append(event("response.reasoning_text.done", item_id=cur["id"], output_index=idx, content_index=0, text=text))
-            else:
-                ev.append(event("response.function_call_arguments.done", item_id=cur["id"], output_index=idx, name=cur["name"], arguments=cur["arguments"]))
-            cur["status"] = "completed"
-            ev.append(event("response.output_item.done", output_index=idx, item=cur))
-            items.append(cur)
-            cur = None
-            return ev
-
-        def open_(item: dict[str, Any]) -> list[str]:
-            nonlocal cur
-            ev = close()
-            cur = item
-            idx = len(items)
-            added = dict(item, status="in_progress")
-            if item["type"] == "message":
-                added["content"] = []
-            ev.append(event("response.output_item.added", output_index=idx, item=added))
-            if item["type"] == "message":
-                ev.append(event("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
-            return ev
-
-        cursor = ChoiceCursor()
-        stream = gen.outputs()
-        last: RequestOutput | None = None
-        try:
-            async for out in stream:
-                last = out
-                if not out.outputs:
-                    continue
-                c = out.outputs[0]
-                delta, _, _ = cursor.advance(c.text, len(c.token_ids), c.finished, [])
-                d = op.delta(c.text[: cursor.text_len], final=c.finished) if op.active else None
-                reasoning, content, calls = (d.reasoning, d.content, d.calls) if d is not None else ("", delta, [])
-                evs: list[str] = []
-                if reasoning:
-                    if cur is None or cur["type"] != "reasoning":
-                        evs += open_(_reasoning(""))
-                    cur["content"][0]["text"] += reasoning
-                    evs.append(event("response.reasoning_text.delta", item_id=cur["id"], output_index=len(items), content_index=0, delta=reasoning))
-                if content:
-                    if cur is None or cur["type"] != "message":
-                        evs += open_(_message(""))
-                    cur["content"][0]["text"] += content
-                    evs.append(event("response.output_text.delta", item_id=cur["id"], output_index=len(items), content_index=0, delta=content, logprobs=[]))
-                for cd in calls:
-                    if cd.name is not None:
-                        evs += open_(_function_call(cd.id or "", cd.name, ""))
-                    if cd.arguments and cur is not None and cur["type"] == "function_call":
-                        cur["arguments"] += cd.arguments
-                        evs.append(event("response.function_call_arguments.delta", item_id=cur["id"], output_index=len(items), delta=cd.arguments))
-                for e in evs:
-                    yield e
-                if c.finished:
-                    break
-            if cur is None and not items:
-                for e in open_(_message("")):
-                    yield e
-            for e in close():
-                yield e
-            if last is not None and last.outputs:
-                c = last.outputs[0]
-                done = self._finish(shell, last, c, items)
-                yield event("response.completed" if done.status == "completed" else "response.incomplete", response=done.model_dump())
-        except Exception as exc:
-            err = engine_exception(exc)
-            yield event("error", code=err.code or err.type, message=err.message, param=err.param)
-        finally:
-            await stream.aclose()
+    def end(self) -> Iterable[str]:
+        return ()
 
 
 def _message(text: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""What the OpenAI and Anthropic routes share: the served model, prompts,
-sampling parameters, structured output, and running a request on the engine
-with its errors answered before the first byte and its pages freed when the
-client leaves."""
+"""What the routes share: the served model, prompts, sampling parameters,
+structured output, and running a request on the engine with its errors
+answered before the first byte and its pages freed when the client leaves.
+The generation path built from these is plinth.server.generation."""
 
 from __future__ import annotations
 
@@ -330,7 +330,7 @@ def _piece_bytes(tokenizer: Any, token_id: int) -> bytes | None:
 
 
 class Generation:
-    """A started engine request: iterate its cumulative outputs once."""
+    """A started engine request: iterate its outputs (with their deltas) once."""
 
     def __init__(self, gen: Any, first: asyncio.Future, tracker: RequestTracker) -> None:
         self.gen = gen
@@ -474,45 +474,6 @@ class SSEResponse(StreamingResponse):
                     await aclose()
                 for g in self.generations:  # a body that never started never closed them
                     g.close_nowait()
-
-
-# ---------------------------------------------------------------------------
-# streaming text deltas
-# ---------------------------------------------------------------------------
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` might be the start of a stop
-    string, and so must not be streamed yet (the engine cuts a stop string
-    off the text once it is complete)."""
-    keep = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), keep, -1):
-            if text.endswith(stop[:k]):
-                keep = k
-                break
-    return keep
-
-
-class ChoiceCursor:
-    """What has been streamed of one choice: text and tokens."""
-
-    __slots__ = ("text_len", "tokens", "finished")
-
-    def __init__(self) -> None:
-        self.text_len = 0
-        self.tokens = 0
-        self.finished = False
-
-    def advance(self, text: str, num_tokens: int, finished: bool, stops: Sequence[str]) -> tuple[str, int, int]:
-        """(new text, first new token index, end token index) since the last call."""
-        visible = len(text) if finished or not stops else len(text) - held_back(text, stops)
-        visible = max(visible, self.text_len)
-        delta = text[self.text_len : visible]
-        self.text_len = visible
-        start = self.tokens
-        self.tokens = num_tokens
-        return delta, start, num_tokens
 
 
 #: the OpenAPI description of a route's streamed answer (``stream: true``)
