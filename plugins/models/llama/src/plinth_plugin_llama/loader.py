@@ -23,6 +23,7 @@ from plinth.api import (
 )
 
 from plinth_plugin_llama.arch import LlamaArch, arch_from_hf, hf_config_from_gguf
+from plinth_plugin_llama.fp8 import fp8_checkpoint
 from plinth_plugin_llama.model import LlamaForCausalLM, LlamaLayer
 from plinth_plugin_llama.moe import MoEBlock
 from plinth_plugin_llama.parallel import Parallel, head_cols, head_rows, vocab_rows
@@ -187,8 +188,12 @@ class LlamaLoader(ModelLoader):
             names = (_GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_RE)
         else:
             permute = False
-            tensors = iter_safetensors(source.path, dtype=ctx.dtype, progress=ctx.progress)
             names = (_HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE)
+            fp8 = fp8_checkpoint(cfg, ctx.ops, ctx.dtype, ctx.tp_size)  # FP8 weights: plinth_plugin_llama.fp8
+            if fp8 is not None:
+                tensors = fp8.tensors(source.path, lambda n: _map_name(n, *names))
+            else:
+                tensors = iter_safetensors(source.path, dtype=ctx.dtype, progress=ctx.progress)
 
         top: dict[str, torch.Tensor] = {}
         per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(arch.num_layers)]
@@ -210,7 +215,8 @@ class LlamaLoader(ModelLoader):
                 top[key] = tensor
             elif layer < arch.num_layers:
                 per_layer[layer][key] = tensor
-        return build_model(arch, top, per_layer, ctx, par)
+        model = build_model(arch, top, per_layer, ctx, par)
+        return fp8.finish(model) if source.format != "gguf" and fp8 is not None else model
 
 
 def _ids(value: Any) -> list[int]:
