@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from plinth import __version__
 from plinth.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from plinth.errors import PlinthError
+from plinth.errors import ConfigError, PlinthError
 from plinth.plugins import ALLOW_ENV, BLOCK_ENV, PluginRegistry, install_hint
 
 log = logging.getLogger("plinth")
@@ -50,6 +50,13 @@ def add_plugin_options(parser: argparse.ArgumentParser, registry: PluginRegistry
         )
     group.add_argument("--kv-connector-config", default=None, metavar="JSON", help="options for the KV connector, as JSON")
     group.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='the KV connector as vLLM and LMDeploy spell it: \'{"kv_connector": NAME, "kv_role": '
+        'kv_both|kv_producer|kv_consumer, "kv_connector_extra_config": {...}}\' (merged under --kv-connector-config)',
+    )
+    group.add_argument(
         "--num-speculative-tokens", type=int, default=None, metavar="K", help="most tokens proposed per sequence and step (default 4)"
     )
     group.add_argument("--speculative-model", default=None, metavar="PATH", help="the draft model (--speculative-method draft)")
@@ -72,19 +79,48 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV pages of shared prefixes"
     )
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size: 1, or the world tp x dp")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ep / tp when ep > tp, else 1)")
+    p = parser.add_argument_group("multi-process launch (torchrun's flags; one node launches all its ranks itself)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the world (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index; nodes other than 0 run workers only")
+    p.add_argument("--master-addr", default=None, help="rank 0's address (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None, help="rank 0's rendezvous port (default: a free one, on one node)")
+    p.add_argument(
+        "--dist-timeout", type=float, default=10.0, metavar="S", help="a rank silent this long fails the engine (default 10)"
+    )
     g.add_argument("--seed", type=int, default=0, help="default sampling seed base")
+
+
+def _json_option(args: argparse.Namespace, name: str) -> dict[str, Any] | None:
+    text = getattr(args, name, None)
+    if not text:
+        return None
+    flag = "--" + name.replace("_", "-")
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object")
+    return value
 
 
 def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword arguments from the parsed plugin and engine options."""
-    kv_config = json.loads(args.kv_connector_config) if getattr(args, "kv_connector_config", None) else None
+    kv_config = _json_option(args, "kv_transfer_config")
+    own = _json_option(args, "kv_connector_config")
+    if own is not None:
+        kv_config = {**(kv_config or {}), **own}
     known = {
         "model", "device", "backend", "a2a", "kv_connector", "dtype", "page_size", "num_pages", "kv_cache_memory",
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep", "seed",
+        "kv_connector_config", "kv_transfer_config",
         "speculative_method", "num_speculative_tokens", "speculative_model",
     }
+    known |= {"dp", "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
+    kwargs.pop("kv_transfer_config", None)
     kwargs["kv_connector_config"] = kv_config
     kwargs["plugin_options"] = {k: v for k, v in vars(args).items() if k not in known and not k.startswith("_")}
     return kwargs
@@ -276,6 +312,9 @@ def register_subcommand(name: str, module: str, func: str, help: str) -> None:
 
 register_subcommand("generate", "plinth.cli_engine", "generate", "generate text offline with the engine")
 register_subcommand("serve", "plinth.cli_engine", "serve", "serve the OpenAI- and Anthropic-compatible HTTP API")
+register_subcommand(
+    "proxy", "plinth.server.proxy", "proxy", "prefill/decode disaggregation: a proxy in front of --role prefill and --role decode servers"
+)
 register_subcommand("bench", "plinth.cli_engine", "bench", "benchmarks: `bench offline` (engine) and `bench serve` (HTTP)")
 
 

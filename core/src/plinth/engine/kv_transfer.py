@@ -129,6 +129,13 @@ class CircuitBreaker:
             if self.on_recover is not None:
                 self.on_recover()
 
+    def trip(self) -> None:
+        """Open now (the start-up probe found no store)."""
+        with self._lock:
+            if self.state != "open":
+                self.times_opened += 1
+            self.state, self.opened_at = "open", time.monotonic()
+
     def failure(self) -> None:
         with self._lock:
             self.failures += 1
@@ -221,6 +228,22 @@ class KVTransfer:
         self.load_latency = Histogram()
         self.save_latency = Histogram()
         self._health_reason = ""
+        # probe the store at once (a store down at start-up shows as degraded
+        # health, not as a healthy server whose first requests time out), and
+        # keep probing while the circuit is open, so the connector attaches by
+        # itself when the store comes up, requests or not
+        self._closed = threading.Event()
+        self._probe = self._lookups.submit(self._run_probe, True)
+        self._watcher = threading.Thread(target=self._watch, name="plinth-kv-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        period = max(0.05, min(self.breaker.reset_s, 5.0))
+        while not self._closed.wait(period):
+            try:
+                self._maybe_probe()
+            except RuntimeError:  # the executor shut down
+                return
 
     # ---- scheduler side --------------------------------------------------------------
 
@@ -415,11 +438,21 @@ class KVTransfer:
         done, not_done = wait_futures(futs, timeout=timeout if timeout is not None else self.deadline_s)
         return not not_done
 
+    def wait_saves(self, timeout: float | None = None) -> bool:
+        """Wait for the save jobs already handed off (any thread may call
+        this: a prefill instance answers only once the prompt's pages are
+        in the store). True when none is left."""
+        futs = [f for f in list(self._pending_saves) if not f.done()]
+        if not futs:
+            return True
+        _, not_done = wait_futures(futs, timeout=timeout if timeout is not None else self.deadline_s)
+        return not not_done
+
     def _maybe_probe(self) -> None:
         if self.breaker.state == "open" and (self._probe is None or self._probe.done()) and self.breaker.allow():
             self._probe = self._lookups.submit(self._run_probe)
 
-    def _run_probe(self) -> None:
+    def _run_probe(self, startup: bool = False) -> None:
         try:
             ok, why = self.connector.health()
         except Exception as exc:
@@ -428,7 +461,13 @@ class KVTransfer:
             self.breaker.success()
         else:
             self._health_reason = why
-            self.breaker.failure()
+            with self._lock:
+                self.failures["unreachable"] = self.failures.get("unreachable", 0) + 1
+            if startup:
+                log.warning("KV connector: the store is not reachable at start-up (%s); serving without it until it is", why)
+                self.breaker.trip()
+            else:
+                self.breaker.failure()
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why not) without calling the store: the breaker's state."""
@@ -452,6 +491,7 @@ class KVTransfer:
             }
 
     def close(self) -> None:
+        self._closed.set()
         self._lookups.shutdown(wait=False, cancel_futures=True)
         self._saves.shutdown(wait=False, cancel_futures=True)
         try:

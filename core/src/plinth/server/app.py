@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plinth import __version__
-from plinth.server import anthropic_api, openai_api, responses_api
+from plinth.server import anthropic_api, openai_api, openapi, responses_api
 from plinth.server.errors import APIError, error_body, error_bytes, is_anthropic_path, validation_message
 from plinth.server.generation import GenerationPipeline
 from plinth.server.metrics import CONTENT_TYPE
@@ -154,6 +154,36 @@ class MetricsMiddleware:
             self.counter.labels(scope.get("method", ""), route, str(status[0])).inc()
 
 
+def kv_connector_of(engine: Any) -> Any:
+    """The engine's KV transfer (``plinth.engine.kv_transfer.KVTransfer``), or None."""
+    return getattr(getattr(getattr(engine, "engine", engine), "kv", None), "connector", None)
+
+
+class KVSaveBarrierMiddleware:
+    """On a prefill instance (``kv_role`` kv_producer): hold the last body
+    message of a generation request until the KV pages handed to the
+    connector have been stored (at most the connector's deadline), so the
+    decode instance the proxy calls next finds them."""
+
+    def __init__(self, app: Any, *, transfer: Any) -> None:
+        self.app = app
+        self.transfer = transfer
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+
+        async def send_wrapper(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                import anyio.to_thread
+
+                if not await anyio.to_thread.run_sync(self.transfer.wait_saves):
+                    log.warning("KV saves still running after %.1fs; answering anyway", self.transfer.deadline_s)
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+
+
 def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings(served_model_names=["default"])
     if settings.api_key is None:
@@ -209,10 +239,20 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         thread = getattr(engine, "_thread", None)
         return thread is None or thread.is_alive()
 
+    transfer = kv_connector_of(engine)
+
     @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def health() -> Response:
+        """503 when the engine thread is gone; 200 with ``"status":
+        "degraded"`` and the reason when the KV connector's store is
+        unhealthy or its circuit is open (the server still serves: those
+        tokens are recomputed); 200 ``ok`` otherwise."""
         if not _alive():
             return JSONResponse({"status": "engine thread is not running"}, status_code=503)
+        if transfer is not None:
+            ok, why = transfer.health()
+            if not ok:
+                return JSONResponse({"status": "degraded", "kv_connector": why})
         return JSONResponse({"status": "ok"})
 
     @app.api_route("/ready", methods=["GET", "HEAD"], response_model=HealthResponse)
@@ -271,8 +311,13 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         ids = ctx.check_prompt_ids(req.tokens, "tokens")
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(ids, skip_special_tokens=False))
 
+    # the document states the errors, this server's model names and limits (server/openapi.py)
+    openapi.install(app, settings.served_model_names, engine.max_model_len)
+
     # ---- middleware (the last added runs first) ----------------------------------------
 
+    if transfer is not None and getattr(transfer, "role", "") == "kv_producer":
+        app.add_middleware(KVSaveBarrierMiddleware, transfer=transfer)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_request_body_bytes)
     if ctx.metrics is not None:
         app.add_middleware(MetricsMiddleware, counter=ctx.metrics.http_requests)

@@ -19,8 +19,11 @@ log = logging.getLogger("plinth.server")
 #: the server's own options: kept out of the engine's plugin_options
 SERVER_OPTIONS = (
     "host", "port", "api_key", "served_model_name", "enable_metrics", "max_request_body_size",
-    "max_waiting_requests", "uvicorn_log_level", "tool_call_parser", "reasoning_parser",
+    "max_waiting_requests", "uvicorn_log_level", "tool_call_parser", "reasoning_parser", "role",
 )  # fmt: skip
+
+#: --role -> the KV connector's kv_role (vLLM's names)
+ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +44,14 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-waiting-requests", type=int, default=4096, metavar="N", help="requests allowed to wait; beyond, 503 + Retry-After"
+    )
+    g.add_argument(
+        "--role",
+        choices=tuple(ROLES),
+        default=None,
+        help="prefill/decode disaggregation behind `platform proxy`: prefill saves every prompt's KV through the "
+        "--kv-connector and answers once it is stored; decode loads it (kv_role kv_producer / kv_consumer; "
+        "default: both)",
     )
     g.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)")
     # the names are plugin registrations (`platform plugins`): checked at start-up, with every candidate's reasons
@@ -68,6 +79,21 @@ def default_model_name(model: str | None) -> str:
 
     stem = Path(DEFAULT_MODEL_FILE).stem  # SmolLM2-135M-Instruct.Q4_1
     return stem.split(".")[0]
+
+
+def with_role(role: str, connector: str | None, config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The KV connector options with ``kv_role`` set from ``--role``."""
+    cfg = dict(config or {})
+    kv_role = ROLES[role]
+    if role == "both" and not (connector or cfg.get("kv_connector")):
+        return config
+    if not (connector or cfg.get("kv_connector")):
+        raise ConfigError(f"--role {role} needs a KV connector (--kv-connector or --kv-transfer-config) to hand the KV over")
+    given = cfg.get("kv_role")
+    if given and given != kv_role:
+        raise ConfigError(f"--role {role} means kv_role {kv_role}, but the KV connector config says {given}")
+    cfg["kv_role"] = kv_role
+    return cfg
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -107,6 +133,8 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
     kwargs = dict(engine_kwargs)
     kwargs["plugin_options"] = {k: v for k, v in (kwargs.get("plugin_options") or {}).items() if k not in SERVER_OPTIONS}
     kwargs["max_waiting_requests"] = args.max_waiting_requests
+    if getattr(args, "role", None):
+        kwargs["kv_connector_config"] = with_role(args.role, kwargs.get("kv_connector"), kwargs.get("kv_connector_config"))
     try:
         config = EngineConfig(**kwargs)
     except TypeError as exc:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,6 +62,65 @@ class _EngineCollector(Collector):
         yield counter("plinth:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.get("prefix_cache_hits", 0))
         yield counter("plinth:num_preemptions", "Sequences preempted for lack of KV pages.", s.get("preemptions", 0))
         yield counter("plinth:engine_steps", "Engine steps run.", s.get("steps", 0))
+        if "prefix_cache_local_hit_tokens" in s:
+            yield counter(
+                "plinth:prefix_cache_local_hit_tokens", "Prompt tokens served from this engine's prefix cache.",
+                s["prefix_cache_local_hit_tokens"],
+            )
+            yield counter(
+                "plinth:prefix_cache_external_hit_tokens", "Prompt tokens loaded through the KV connector.",
+                s.get("prefix_cache_external_hit_tokens", 0),
+            )
+        if "kv_connector_lookups" in s:
+            yield from self._kv_connector(s, gauge, counter)
+
+    def _kv_connector(self, s: dict[str, Any], gauge: Any, counter: Any) -> Iterable[Any]:
+        """The KV connector's counters (``KVTransfer.stats()``)."""
+        labels, value = ["model_name"], [self.model_name]
+        for key, doc in (
+            ("lookups", "Store lookups started."),
+            ("lookup_pages", "Pages asked of the store."),
+            ("hit_pages", "Pages the store held and that loaded intact."),
+            ("loaded_pages", "Pages written into the KV cache from the store."),
+            ("loaded_bytes", "KV bytes loaded from the store."),
+            ("saved_pages", "Pages saved to the store."),
+            ("saved_bytes", "KV bytes saved to the store."),
+            ("recomputed_tokens", "Tokens the store held but that were recomputed after a failed load."),
+            ("skipped_open", "Store calls skipped while the circuit was open."),
+        ):
+            yield counter(f"plinth:kv_connector_{key}", doc, s.get(f"kv_connector_{key}", 0))
+        asked = s.get("kv_connector_lookup_pages", 0)
+        yield gauge(
+            "plinth:kv_connector_hit_rate", "Pages found in the store / pages asked, since start.",
+            s.get("kv_connector_hit_pages", 0) / asked if asked else 0.0,
+        )
+        fails = CounterMetricFamily(
+            "plinth:kv_connector_failures", "KV connector failures by kind.", labels=labels + ["kind"]
+        )
+        for kind, n in sorted((s.get("kv_connector_failures") or {}).items()):
+            fails.add_metric(value + [kind], float(n))
+        yield fails
+        state = GaugeMetricFamily(
+            "plinth:kv_connector_breaker_state", "Circuit-breaker state (1 for the current one).", labels=labels + ["state"]
+        )
+        for st in ("closed", "open", "half_open"):
+            state.add_metric(value + [st], 1.0 if s.get("kv_connector_breaker_state") == st else 0.0)
+        yield state
+        yield counter("plinth:kv_connector_breaker_opened", "Times the circuit opened.", s.get("kv_connector_breaker_opened", 0))
+        yield gauge("plinth:kv_connector_healthy", "1 when the store answers and the circuit is closed.", 1.0 if s.get("kv_connector_healthy") else 0.0)
+        for kind in ("load", "save"):
+            snap = s.get(f"kv_connector_{kind}_latency")
+            if not snap:
+                continue
+            h = HistogramMetricFamily(
+                f"plinth:kv_connector_{kind}_latency_seconds",
+                "Store lookup+load time per fetch." if kind == "load" else "Store save time per save job.",
+                labels=labels,
+            )
+            buckets = [(repr(float(b)), float(c)) for b, c in zip(snap["buckets"], snap["cumulative"])]
+            buckets.append(("+Inf", float(snap["cumulative"][-1])))
+            h.add_metric(value, buckets, float(snap["sum"]))
+            yield h
 
 
 class ServerMetrics:

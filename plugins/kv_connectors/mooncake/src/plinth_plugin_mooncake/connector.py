@@ -25,9 +25,11 @@ import importlib.util
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, Sequence
+from urllib.parse import urlsplit
 
 from plinth.api import ConfigError, KVConnector, SelectionContext
 
@@ -98,6 +100,7 @@ class MooncakeConnector(KVConnector):
                 raise ConnectionError("mooncake: not connected (retrying)")
             self._last_attempt = now
             c = self.store_config
+            self._reachable()
             store = self._cls()
             rc = store.setup(
                 c["local_hostname"], c["metadata_server"], int(c["global_segment_size"]), int(c["local_buffer_size"]),
@@ -108,6 +111,22 @@ class MooncakeConnector(KVConnector):
             log.info("mooncake: connected to master %s", c["master_server_address"])
             self._store = store
             return store
+
+    def _reachable(self) -> None:
+        """Fail fast when the master (or its HTTP metadata server) refuses a
+        TCP connection: ``setup()`` against a dead master retries for about
+        90 s (20 tries of ~4.4 s) while holding the client lock."""
+        c = self.store_config
+        targets = [c["master_server_address"]]
+        meta = str(c["metadata_server"])
+        if meta.startswith(("http://", "https://")):
+            targets.append(urlsplit(meta).netloc)
+        for target in targets:
+            host, _, port = str(target).rpartition(":")
+            try:
+                socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=0.5).close()
+            except (OSError, ValueError) as exc:
+                raise ConnectionError(f"mooncake: {target} does not answer: {exc}") from None
 
     def lookup(self, keys: Sequence[str]) -> int:
         found = self._client().batch_is_exist(list(keys))

@@ -1,0 +1,220 @@
+"""`platform proxy`: prefill/decode disaggregation in front of plinth servers.
+
+    platform serve MODEL --role prefill --kv-connector local --kv-connector-config '{"disk_dir": "/shared/kv"}' --port 8100
+    platform serve MODEL --role decode  --kv-connector local --kv-connector-config '{"disk_dir": "/shared/kv"}' --port 8200
+    platform proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+Each generation request (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/messages``, ``/v1/responses``) goes first to a prefill instance with
+one output token, no streaming and n=1: that instance computes the prompt's
+KV, saves its full pages through the KV connector and answers once they are
+stored. The request then goes, unchanged, to a decode instance, which finds
+those pages through the connector (they count as external cached tokens) and
+computes only the rest; its answer, streamed or not, is passed to the client
+as it arrives. Instances of each kind are chosen least-loaded (requests in
+flight through this proxy), ties in turn.
+
+A prefill instance that fails or cannot be reached costs only time: the
+decode instance then computes the prompt itself (same output). A client
+error (4xx) from the prefill instance is the client's answer.
+"""
+
+
+import argparse
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+log = logging.getLogger("plinth.proxy")
+
+#: route -> the body fields that cap its output length
+ROUTES = {
+    "/v1/completions": ("max_tokens",),
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/messages": ("max_tokens",),
+    "/v1/responses": ("max_output_tokens",),
+}
+#: hop-by-hop headers (RFC 9110) and those httpx sets itself
+_DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "accept-encoding"}
+
+
+@dataclass
+class Upstream:
+    url: str
+    inflight: int = 0
+    served: int = 0
+    failed: int = 0
+
+
+class Pool:
+    """Least requests in flight, ties broken in turn."""
+
+    def __init__(self, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError("at least one URL is needed")
+        self.upstreams = [Upstream(u.rstrip("/")) for u in urls]
+        self._turn = itertools.count()
+
+    def pick(self) -> Upstream:
+        least = min(u.inflight for u in self.upstreams)
+        ties = [u for u in self.upstreams if u.inflight == least]
+        return ties[next(self._turn) % len(ties)]
+
+
+def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The request a prefill instance gets: one output token, whole, n=1."""
+    out = dict(body)
+    for field in ROUTES[path]:
+        out.pop(field, None)
+    out[ROUTES[path][0]] = 1
+    out["stream"] = False
+    for field in ("stream_options", "best_of", "min_tokens"):
+        out.pop(field, None)
+    if "n" in out:
+        out["n"] = 1
+    return out
+
+
+def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 600.0) -> Any:
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    pre, dec = Pool(prefill), Pool(decode)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    state: dict[str, Any] = {}
+
+    def client() -> httpx.AsyncClient:
+        if "client" not in state:
+            state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits)
+        return state["client"]
+
+    app = FastAPI(title="plinth proxy", docs_url=None, redoc_url=None)
+
+    @app.on_event("shutdown")
+    async def _close() -> None:
+        if "client" in state:
+            await state["client"].aclose()
+
+    def forward_headers(request: Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
+
+    async def run_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> Response | None:
+        """None when the prefill went through (or failed on its side); a response for a client error."""
+        up = pre.pick()
+        up.inflight += 1
+        try:
+            r = await client().post(up.url + path, json=prefill_body(path, body), headers=headers)
+        except httpx.HTTPError as exc:
+            up.failed += 1
+            log.warning("prefill %s failed (%s: %s); the decode instance computes the prompt", up.url, type(exc).__name__, exc)
+            return None
+        finally:
+            up.inflight -= 1
+        if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        if r.status_code >= 300:
+            up.failed += 1
+            log.warning("prefill %s answered %d; the decode instance computes the prompt", up.url, r.status_code)
+            return None
+        up.served += 1
+        return None
+
+    async def generate(request: Request) -> Response:
+        path = request.url.path
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": {"message": "the body is not valid JSON", "type": "invalid_request_error"}}, 400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the body must be a JSON object", "type": "invalid_request_error"}}, 400)
+        headers = forward_headers(request)
+        early = await run_prefill(path, body, headers)
+        if early is not None:
+            return early
+        up = dec.pick()
+        up.inflight += 1
+        try:
+            req = client().build_request("POST", up.url + path, json=body, headers=headers)
+            r = await client().send(req, stream=True)
+        except httpx.HTTPError as exc:
+            up.inflight -= 1
+            up.failed += 1
+            return JSONResponse(
+                {"error": {"message": f"decode instance {up.url} failed: {type(exc).__name__}: {exc}", "type": "server_error"}},
+                502,
+            )
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in r.aiter_raw():
+                    yield chunk
+                up.served += 1
+            finally:
+                up.inflight -= 1
+                await r.aclose()
+
+        keep = {k: v for k, v in r.headers.items() if k.lower() not in _DROP and k.lower() != "content-encoding"}
+        return StreamingResponse(relay(), status_code=r.status_code, headers=keep)
+
+    for route in ROUTES:
+        app.add_api_route(route, generate, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        up = dec.pick()
+        r = await client().get(up.url + "/v1/models", headers=forward_headers(request))
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        """ok when every instance says ok; degraded (200) when one is
+        degraded or unreachable but each kind has one that answers."""
+
+        async def one(u: Upstream) -> dict[str, Any]:
+            try:
+                r = await client().get(u.url + "/health", timeout=2.0)
+                doc = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+                return {"url": u.url, "http": r.status_code, **doc}
+            except (httpx.HTTPError, ValueError) as exc:
+                return {"url": u.url, "status": f"unreachable: {type(exc).__name__}"}
+
+        p, d = await asyncio.gather(
+            asyncio.gather(*(one(u) for u in pre.upstreams)), asyncio.gather(*(one(u) for u in dec.upstreams))
+        )
+        ok = all(x.get("status") == "ok" for x in [*p, *d])
+        up = any(x.get("http") == 200 for x in d)
+        status = "ok" if ok else "degraded" if up else "unavailable"
+        stats = {u.url: {"inflight": u.inflight, "served": u.served, "failed": u.failed} for u in [*pre.upstreams, *dec.upstreams]}
+        return JSONResponse({"status": status, "prefill": list(p), "decode": list(d), "stats": stats}, 200 if up else 503)
+
+    return app
+
+
+def add_proxy_arguments(parser: argparse.ArgumentParser, registry: Any) -> None:
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (platform serve --role prefill)")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (platform serve --role decode)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer (default: 600)")
+    parser.add_argument("--uvicorn-log-level", default="warning")
+
+
+def proxy(args: argparse.Namespace, registry: Any) -> int:
+    import uvicorn
+
+    from plinth.server.cli import _listen
+
+    sock = _listen(args.host, args.port)
+    app = build_proxy_app(args.prefill, args.decode, timeout=args.timeout)
+    log.info(
+        "proxy at http://%s:%d: prefill %s, decode %s", args.host, sock.getsockname()[1], " ".join(args.prefill), " ".join(args.decode)
+    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level=str(args.uvicorn_log_level).lower(), timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
