@@ -1,0 +1,370 @@
+"""Speculative decoding end to end: proposer plugins (ngram, draft) through
+the engine on tiny random Llama models (float32, torch backend).
+
+Greedy output must be token-for-token the output without speculation (with
+continuous batching, page sizes 16 and 7, forced preemption, chunked
+prefill, n > 1, stop strings, logprobs, a grammar); sampled output must keep
+its distribution (a chi-square test against the model's exact probabilities,
+fixed seeds); rejected proposals must leave the page pool and the prefix
+cache exactly as a run without speculation does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from plinth.engine.llm import LLM
+from plinth.engine.sampling_params import SamplingParams
+from plinth.engine.speculative import SpecDecoder
+from plinth.plugins import PluginRegistry
+from tiny_models import reference_logprobs, tiny_model_dir
+
+_registry = None
+
+
+def registry():
+    global _registry
+    if _registry is None:
+        _registry = PluginRegistry.discover()
+        for name in ("ngram", "draft"):
+            if name not in _registry.names("proposer"):
+                pytest.skip(f"the {name} proposer plugin is not installed")
+    return _registry
+
+
+def make_llm(path, **kw):
+    kw.setdefault("load_progress", False)
+    return LLM(path, dtype="float32", backend="torch", registry=registry(), **kw)
+
+
+# repetitive prompts (ngram finds copies), a random one, and prompts long
+# enough to be prefilled in chunks under a small token budget
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
+    [40, 41, 42, 43] * 6,
+    list(range(100, 140)),
+    [200, 201, 202, 203, 204, 205] * 9,
+    [17, 3, 17, 3, 17],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3],
+]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_root):
+    return tiny_model_dir("llama", tiny_root)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_root):
+    """Another tiny model with the same tokenizer (different weights: many rejections)."""
+    return tiny_model_dir("qwen3", tiny_root)
+
+
+_plain: dict = {}
+
+
+def plain(path, page_size, prompts=PROMPTS, params=GREEDY):
+    key = (path, page_size, str(prompts), repr(params))
+    if key not in _plain:
+        _plain[key] = make_llm(path, page_size=page_size).generate(prompts, params)
+    return _plain[key]
+
+
+@pytest.mark.parametrize("page_size", [16, 7])
+@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-other"])
+def test_greedy_identical_with_preemption_and_chunked_prefill(target, other_draft, page_size, method):
+    kw = dict(speculative_method=method.split("-")[0], num_speculative_tokens=4)
+    if method != "ngram":
+        kw["speculative_model"] = target if method == "draft-self" else other_draft
+    # few pages: the batch cannot all fit, so sequences are preempted and
+    # recomputed; a small budget prefills the long prompts in chunks
+    num_pages = 40 if page_size == 7 else 18
+    llm = make_llm(target, page_size=page_size, num_pages=num_pages, max_num_batched_tokens=64, **kw)
+    got = llm.generate(PROMPTS, GREEDY)
+    assert tokens(got) == tokens(plain(target, page_size))
+    s = llm.engine.stats()
+    assert s["preemptions"] > 0
+    assert s["spec_proposed_tokens"] > 0 and s["spec_verified_steps"] > 0
+    if method in ("ngram", "draft-self"):
+        assert s["spec_accepted_tokens"] > 0
+        assert s["spec_mean_accepted_length"] > 1.0
+    if method == "draft-self":  # the target proposing for itself: every proposal passes
+        assert s["spec_acceptance_rate"] == 1.0
+    if method == "draft-other":
+        assert s["spec_rejected_tokens"] > 0
+    assert llm.engine.pages_held() == 0
+
+
+def test_rollback_leaves_pool_and_prefix_cache_as_without_speculation(target, other_draft):
+    """Rejected proposals' pages go back, and no page holding a rejected
+    token is ever registered: the free pages and the prefix cache's hashes
+    after the run are exactly those of the same run without speculation."""
+    base = make_llm(target, page_size=7, num_pages=400)
+    spec = make_llm(
+        target, page_size=7, num_pages=400, speculative_method="draft", speculative_model=other_draft, num_speculative_tokens=4
+    )
+    a = base.generate(PROMPTS, GREEDY)
+    b = spec.generate(PROMPTS, GREEDY)
+    assert tokens(a) == tokens(b)
+    assert spec.engine.stats()["spec_rejected_tokens"] > 0
+    assert base.engine.pool.num_free == spec.engine.pool.num_free == 400
+    assert set(base.engine.pool.cached) == set(spec.engine.pool.cached)
+    assert base.engine.pages_held() == spec.engine.pages_held() == 0
+    # a second round reuses exactly the same cached prefixes
+    a2 = base.generate(PROMPTS, GREEDY)
+    b2 = spec.generate(PROMPTS, GREEDY)
+    assert [o.num_cached_tokens for o in a2] == [o.num_cached_tokens for o in b2]
+    assert tokens(a2) == tokens(b2) == tokens(a)
+
+
+def test_stops_logprobs_and_n_samples(target):
+    """Stop strings, stop token ids, max_tokens, logprobs of accepted tokens
+    and n > 1: identical to the run without speculation."""
+    tok = make_llm(target).get_tokenizer()
+    text = tok.decode(plain(target, 16)[1].outputs[0].token_ids[5:8])
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, stop=[text], ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=13, temperature=0.0, n=3, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[plain(target, 16)[0].outputs[0].token_ids[9]]),
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(max_tokens=25, temperature=0.0, min_tokens=20),
+    ]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[0], PROMPTS[4], PROMPTS[5]]
+    base = make_llm(target).generate(prompts, params)
+    llm = make_llm(target, speculative_method="ngram", num_speculative_tokens=4, plugin_options={"ngram_min_n": 1})
+    got = llm.generate(prompts, params)
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    for a, b in zip(base, got):
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert (cb.token_ids, cb.text, cb.finish_reason, cb.stop_reason) == (ca.token_ids, ca.text, ca.finish_reason, ca.stop_reason)
+    assert base[0].outputs[0].finish_reason == "stop" and base[0].outputs[0].stop_reason == text
+    assert len(got[2].outputs) == 3
+    la, lb = base[1].outputs[0].logprobs, got[1].outputs[0].logprobs
+    assert len(la) == len(lb) == 30
+    for x, y in zip(la, lb):
+        assert x.token_id == y.token_id and x.rank == y.rank
+        assert abs(x.logprob - y.logprob) < 1e-4
+        assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+    # the logprob of each token is the target's own, at its position
+    ids = PROMPTS[0] + got[1].outputs[0].token_ids
+    ref = reference_logprobs(target, ids)
+    n0 = len(PROMPTS[0])
+    for i, lp in enumerate(lb):
+        assert abs(lp.logprob - float(ref[n0 - 1 + i, lp.token_id])) < 1e-3
+
+
+class CycleGrammar:
+    """A grammar over token ids: position i allows only ALLOWED[i % 3];
+    complete after LENGTH tokens. Implements the engine's GrammarState."""
+
+    ALLOWED = ({5, 6, 7, 40, 41}, {8, 9, 42, 43, 100}, {5, 9, 41, 200, 201})
+    LENGTH = 17
+
+    def __init__(self, pos: int = 0) -> None:
+        self.pos = pos
+
+    def mask_logits(self, logits):
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[list(self.ALLOWED[self.pos % 3])] = True
+        logits.masked_fill_(~keep, float("-inf"))
+
+    def accept(self, token_id):
+        if token_id not in self.ALLOWED[self.pos % 3]:
+            return False
+        self.pos += 1
+        return True
+
+    def is_terminated(self):
+        return self.pos >= self.LENGTH
+
+    def fork(self):
+        return CycleGrammar(self.pos)
+
+
+def test_structured_output_cuts_proposals_the_grammar_refuses(target):
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+
+    def params():
+        return [SamplingParams(max_tokens=30, temperature=0.0, grammar=CycleGrammar()) for _ in prompts]
+
+    base = make_llm(target).generate(prompts, params())
+    llm = make_llm(target, speculative_method="ngram", num_speculative_tokens=4, plugin_options={"ngram_min_n": 1})
+    got = llm.generate(prompts, params())
+    assert tokens(got) == tokens(base)
+    for o in got:
+        out = o.outputs[0].token_ids
+        assert len(out) == CycleGrammar.LENGTH and o.outputs[0].finish_reason == "stop"
+        assert all(t in CycleGrammar.ALLOWED[i % 3] for i, t in enumerate(out))
+    s = llm.engine.stats()
+    assert s["spec_accepted_tokens"] > 0 and s["spec_rejected_tokens"] > 0
+
+
+# ---- sampled output keeps its distribution ------------------------------------------
+
+
+class CyclingProposer:
+    """Proposes tokens cycling through a fixed list: some inside the top-k
+    support (accepted with probability p(x)), some outside it (p = 0)."""
+
+    wants_hidden = False
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def propose(self, items):
+        return [[self.pool[(len(it.token_ids) + j) % len(self.pool)] for j in range(it.k)] for it in items]
+
+    def free(self, key):
+        pass
+
+
+def chi2_sf(x: float, dof: int) -> float:
+    """P(X >= x) for X ~ chi-square(dof): the regularized upper incomplete gamma."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+
+
+def exact_joint(path, prompt, top_k, depth):
+    """The model's exact distribution of its first ``depth`` sampled tokens
+    under temperature 1 and top_k: {tuple: probability}."""
+
+    def step(prefix):
+        lp = reference_logprobs(path, prompt + list(prefix))[-1]
+        v, i = lp.topk(top_k)
+        p = torch.softmax(v.double(), 0)
+        return {int(t): float(q) for t, q in zip(i, p)}
+
+    out = {(): 1.0}
+    for _ in range(depth):
+        nxt = {}
+        for prefix, q in out.items():
+            for t, pt in step(prefix).items():
+                nxt[prefix + (t,)] = q * pt
+        out = nxt
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_sampled_distribution_unchanged(target, k):
+    """Many seeded draws of the first three sampled tokens (the second and
+    third come from speculative steps) against the model's exact joint
+    probabilities: chi-square p-value > 1e-3 with fixed seeds, so the test
+    is deterministic. The same statistic for draws that accept every
+    proposal blindly is far beyond the bound (the test has power)."""
+    prompt = PROMPTS[4]
+    top_k, depth, draws = 3, 3, 2400
+    exact = exact_joint(target, prompt, top_k, depth)
+    support = sorted({t for key in exact for t in key})
+    llm = make_llm(target, max_num_seqs=256, seed=1234)
+    llm.engine.spec = SpecDecoder(CyclingProposer(support + [0, 1]), k, vocab_size=llm.engine.model_config.vocab_size)
+    params = [SamplingParams(max_tokens=depth + 4, temperature=1.0, top_k=top_k, seed=i, ignore_eos=True) for i in range(draws)]
+    outs = llm.generate([prompt] * draws, params)
+    s = llm.engine.stats()
+    assert s["spec_accepted_tokens"] > 0 and s["spec_rejected_tokens"] > 0
+    if k > 1:  # runs of accepted proposals happen too, not only the first position
+        assert s["spec_acceptance_rate_per_position"][1] > 0
+    counts: dict[tuple, int] = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids[:depth])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(exact)  # nothing outside the top-k support, ever
+
+    def statistic(observed):
+        # cells with an expected count under 5 are pooled
+        small = [c for c in exact if exact[c] * draws < 5]
+        stat, cells = 0.0, 0
+        for c in exact:
+            if c not in small:
+                e = exact[c] * draws
+                stat += (observed.get(c, 0) - e) ** 2 / e
+                cells += 1
+        if small:
+            e = sum(exact[c] for c in small) * draws
+            o = sum(observed.get(c, 0) for c in small)
+            stat += (o - e) ** 2 / max(e, 1e-9)
+            cells += 1
+        return stat, cells - 1
+
+    stat, dof = statistic(counts)
+    p_value = chi2_sf(stat, dof)
+    assert p_value > 1e-3, (stat, dof, p_value)
+
+    # power: a verifier that keeps every proposal in the support would show
+    biased: dict[tuple, int] = {}
+    for key, n in counts.items():
+        b = tuple(support[0] if i > 0 else t for i, t in enumerate(key))
+        biased[b] = biased.get(b, 0) + n
+    assert chi2_sf(*statistic(biased)) < 1e-6
+    assert not math.isnan(p_value)
+
+
+def test_adaptive_k_backs_off_when_proposals_always_fail(target):
+    """A proposer that is always wrong: proposals shrink, then pause for
+    longer and longer, so the extra tokens scored stay a small fraction of
+    the tokens generated (the bound in docs/architecture.md)."""
+    llm = make_llm(target)
+    vocab = llm.engine.model_config.vocab_size
+
+    class Wrong:
+        wants_hidden = False
+
+        def propose(self, items):
+            return [[vocab - 1] * it.k for it in items]  # never the argmax of this model
+
+        def free(self, key):
+            pass
+
+    llm.engine.spec = SpecDecoder(Wrong(), 4, vocab_size=vocab)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    out = llm.generate([PROMPTS[2]], params)
+    assert tokens(out) == tokens(make_llm(target).generate([PROMPTS[2]], params))
+    s = llm.engine.stats()
+    assert s["spec_accepted_tokens"] == 0
+    # 4 + 2 + 1 at first, then one token per pause of 1, 2, 4, ... 32 steps
+    assert s["spec_proposed_tokens"] <= 7 + 5 + (400 // 33) + 1
+    assert s["spec_proposed_tokens"] / 400 < 0.07
+
+
+def test_named_proposer_fails_with_reasons(target, tiny_root):
+    from plinth.errors import PluginError
+
+    with pytest.raises(PluginError, match="--speculative-model PATH is required"):
+        make_llm(target, speculative_method="draft")
+    # a model with another tokenizer: the check names the difference
+    import json
+    import os
+    import shutil
+
+    odd = os.path.join(tiny_root, "odd-tokenizer")
+    if not os.path.exists(odd):
+        shutil.copytree(target, odd)
+        with open(os.path.join(odd, "tokenizer.json")) as f:
+            spec = json.load(f)
+        vocab = spec["model"]["vocab"]
+        a, b = sorted(vocab, key=vocab.get)[:2]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        with open(os.path.join(odd, "tokenizer.json"), "w") as f:
+            json.dump(spec, f)
+    with pytest.raises(PluginError, match="the tokenizers differ: token 0"):
+        make_llm(target, speculative_method="draft", speculative_model=odd)
+    with pytest.raises(PluginError, match="draft model .*cannot load"):
+        make_llm(target, speculative_method="draft", speculative_model=os.path.join(tiny_root, "no-such-model"))
+    with pytest.raises(PluginError, match="--ngram-max-n must be"):
+        make_llm(target, speculative_method="ngram", plugin_options={"ngram_min_n": 3, "ngram_max_n": 2})
+    with pytest.raises(PluginError, match="no proposer named 'nope'"):
+        make_llm(target, speculative_method="nope")
+
+
+def test_proposers_are_listed_by_platform_plugins():
+    rows = {(r["category"], r["name"]): r for r in registry().report()}
+    assert rows[("proposer", "ngram")]["status"] == "ok"
+    assert rows[("proposer", "draft")]["status"] == "ok"  # no draft model to judge here
+    assert {"ngram", "draft"} <= set(registry().names("proposer"))
+
