@@ -64,9 +64,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, registry: PluginRegistr
 
 
 def serve(args: argparse.Namespace, registry: PluginRegistry) -> int:
-    from plinth.server.cli import run_server
+    from plinth.server.cli import SERVER_OPTIONS, run_server
 
-    return run_server(args, registry, plugin_kwargs(args))
+    kwargs = plugin_kwargs(args)
+    if kwargs.get("node_rank"):  # a node other than 0 runs its worker ranks only (rank 0's node serves)
+        from plinth.engine.config import EngineConfig
+        from plinth.engine.distributed import run_node
+
+        options = {k: v for k, v in kwargs["plugin_options"].items() if k not in SERVER_OPTIONS}
+        return run_node(EngineConfig(**{**kwargs, "plugin_options": options}))
+    return run_server(args, registry, kwargs)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:

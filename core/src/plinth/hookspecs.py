@@ -511,6 +511,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     #: per-step state a backend computes once in prepare_attention
     backend_state: dict[str, Any] = field(default_factory=dict)
+    #: the decode flag MoE layers hand the a2a plugin; set by the engine when
+    #: ranks with different batches must agree (None: ``is_decode_only``)
+    moe_decode: bool | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -116,7 +116,8 @@ class AsyncLLM:
         """
         self.engine.validate(list(prompt_token_ids), params)
         if self._stop:
-            raise EngineError("the engine is shutting down")
+            fatal = getattr(self, "_fatal", None)
+            raise EngineError(f"the engine failed: {fatal}" if fatal else "the engine is shutting down")
         if self.num_pending() >= self.max_waiting_requests:
             raise EngineOverloaded(f"{self.num_pending()} requests are already waiting; retry later")
         request_id = request_id or self.new_request_id()
@@ -157,6 +158,9 @@ class AsyncLLM:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)  # a distributed engine stops its ranks
+        if close is not None:
+            close()
 
     # ---- the engine thread ------------------------------------------------------------
 
@@ -212,6 +216,9 @@ class AsyncLLM:
                     self.engine.abort_request(rid)
                     self._cursors.pop(rid, None)
                     self._deliver(rid, EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
+                if getattr(exc, "fatal", False):  # e.g. a dead rank: the engine cannot step again
+                    self._fatal = exc
+                    self._stop = True  # the thread ends, so /health fails; new requests get the error
                 continue
             for out in outputs:
                 cursor = self._cursors.pop(out.request_id, None) if out.finished or out.error else self._cursors.get(out.request_id)

@@ -31,6 +31,15 @@ class EngineConfig:
     tp: int = 1
     ep: int = 1
     a2a: str = "auto"
+    #: data-parallel size (None: ep / tp when ep > tp, else 1); world = tp x dp
+    dp: int | None = None
+    #: multi-node launch (torchrun's flags): rank 0's node runs the engine, the others workers only
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # default 127.0.0.1
+    master_port: int | None = None  # default: a free port (one node)
+    #: seconds a collective may wait for a rank before the engine fails (dead or hung rank)
+    dist_timeout: float = 10.0
     kv_connector: str | None = None
     kv_connector_config: Mapping[str, Any] | None = None
     plugin_options: Mapping[str, Any] = field(default_factory=dict)
@@ -52,8 +61,10 @@ class EngineConfig:
             raise ConfigError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be >= 1")
-        if self.tp < 1 or self.ep < 1:
-            raise ConfigError("tp and ep must be >= 1")
+        if self.tp < 1 or self.ep < 1 or (self.dp is not None and self.dp < 1):
+            raise ConfigError("tp, dp and ep must be >= 1")
+        if self.dist_timeout <= 0:
+            raise ConfigError("dist_timeout must be > 0")
         if self.speculative_method in ("auto", "none", ""):
             self.speculative_method = None  # speculation is off unless a method is named
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:

@@ -35,6 +35,8 @@ class LLM:
         tp: int = 1,
         ep: int = 1,
         a2a: str = "auto",
+        dp: int | None = None,
+        dist_timeout: float = 10.0,
         kv_connector: str | None = None,
         kv_connector_config: Mapping[str, Any] | None = None,
         max_model_len: int | None = None,
@@ -64,6 +66,8 @@ class LLM:
             tp=tp,
             ep=ep,
             a2a=a2a,
+            dp=dp,
+            dist_timeout=dist_timeout,
             kv_connector=kv_connector,
             kv_connector_config=kv_connector_config,
             plugin_options=dict(plugin_options or {}),
@@ -75,6 +79,12 @@ class LLM:
         )
         self.engine = LLMEngine.from_config(self.config, registry)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks (tp/dp > 1; also done at exit)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -75,9 +75,11 @@ class ParallelGroups:
         return self.rank if self.layout.ep > 1 else 0
 
 
-def init_groups(layout: ParallelLayout, rank: int) -> ParallelGroups:
+def init_groups(layout: ParallelLayout, rank: int, timeout: Any = None) -> ParallelGroups:
     """Create the TP, DP and EP groups (after ``init_process_group``; every
-    rank calls this, and creates every group in the same order)."""
+    rank calls this, and creates every group in the same order). ``timeout``
+    (a timedelta) bounds every collective of these groups: the engine gives a
+    short one, so a hung rank is an error, not a hang."""
     import torch.distributed as dist
 
     if dist.get_world_size() != layout.world:
@@ -85,12 +87,12 @@ def init_groups(layout: ParallelLayout, rank: int) -> ParallelGroups:
     dp_rank, tp_rank = layout.coords(rank)
     tp_group = dp_group = None
     for d in range(layout.dp):
-        group = dist.new_group(layout.tp_ranks(d))
+        group = dist.new_group(layout.tp_ranks(d), timeout=timeout)
         if d == dp_rank:
             tp_group = group
     for t in range(layout.tp):
-        group = dist.new_group(layout.dp_ranks(t))
+        group = dist.new_group(layout.dp_ranks(t), timeout=timeout)
         if t == tp_rank:
             dp_group = group
-    ep_group = dist.new_group(list(range(layout.world))) if layout.ep > 1 else None
+    ep_group = dist.new_group(list(range(layout.world)), timeout=timeout) if layout.ep > 1 else None
     return ParallelGroups(layout, rank, dp_rank, tp_rank, tp_group, dp_group, ep_group)

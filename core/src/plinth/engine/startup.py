@@ -148,8 +148,10 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     if config.ep != 1:  # the a2a plugin validates before anything loads: a named one fails with its reasons
         registry = registry or PluginRegistry.discover()
         registry.select("a2a", config.a2a, SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options)))
-    if config.tp != 1 or config.ep != 1:
-        raise ConfigError("tensor and expert parallelism (tp/ep > 1) are not available in this build yet")
+    if config.tp * (config.dp or 1) > 1 or config.ep > config.tp:  # more than one rank
+        from plinth.engine.distributed import build_distributed_engine
+
+        return build_distributed_engine(config, registry)  # type: ignore[return-value]
     registry = registry or PluginRegistry.discover()
     options = dict(config.plugin_options)
 

@@ -78,7 +78,7 @@ class LlamaForCausalLM(torch.nn.Module):
         num_tokens = input_ids.shape[0]
         tp = self.par.tp_size > 1
         all_reduce = self.par.all_reduce
-        decode = meta.is_decode_only
+        decode = meta.is_decode_only if meta.moe_decode is None else meta.moe_decode  # agreed over the expert group
 
         hidden = self.embedding(input_ids)
         residual = None

@@ -1,0 +1,203 @@
+"""The multi-process engine on real processes over gloo (127.0.0.1, world 2):
+``LLM(tp=2)`` and ``LLM(ep=2, a2a="nccl")`` (dp 2: one scheduler per dp
+rank, idle ranks in dummy forwards) on a tiny Qwen3-MoE and a dense tiny
+Llama under tp=2 give one process's greedy tokens; ``platform serve --tp 2
+--ep 2 --a2a nccl`` answers the official openai client; a worker killed
+mid-stream (SIGKILL) fails the stream and /health within seconds, and no
+process is left behind."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "plugins/models/llama/tests"))
+
+from tiny_models import tiny_model_dir, write_tokenizer  # noqa: E402
+from tiny_moe import prompts, saved_model  # noqa: E402
+
+from plinth import LLM, SamplingParams  # noqa: E402
+
+KW = dict(device="cpu", backend="torch", dtype="float32", num_pages=96, load_progress=False)
+PLATFORM = str(pathlib.Path(sys.executable).with_name("platform"))
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("dist"))
+
+
+def moe(root: str) -> str:
+    path = saved_model("qwen3moe", root)
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        write_tokenizer(path)
+    return path
+
+
+def requests():
+    """Concurrent prompts of different lengths, greedy, and one seeded n=2 sample (a fork: page copies)."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=NEW, temperature=0)] * len(ps)
+    return ps + [ps[2]], params + [SamplingParams(max_tokens=NEW, temperature=1.0, seed=7, n=2)]
+
+
+@functools.cache
+def single(path: str):
+    ps, params = requests()
+    outs = LLM(path, **KW).generate(ps, params)
+    single.texts = [o.outputs[0].text for o in outs]
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def run_parallel(path: str, **kw):
+    ps, params = requests()
+    t0 = time.monotonic()
+    llm = LLM(path, **KW, **kw)
+    try:
+        out = [[c.token_ids for c in o.outputs] for o in llm.generate(ps, params)]
+        assert llm.engine.pages_held() == 0
+        return out, time.monotonic() - t0
+    finally:
+        llm.shutdown()
+        procs = [p for _, p in llm.engine.procs]
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # stopped, not killed
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2), dict(ep=2, a2a="nccl")], ids=["tp2", "ep2-dp2"])
+def test_moe_llm_matches_one_process(root, kw):
+    path = moe(root)
+    want = single(path)
+    got, took = run_parallel(path, **kw)
+    assert got == want
+    assert took < 90
+
+
+def test_dense_llama_tp2_matches_one_process(root):
+    path = tiny_model_dir("llama", root)
+    want = single(path)
+    got, _ = run_parallel(path, tp=2)
+    assert got == want
+
+
+def test_bad_layouts_fail_before_loading(root):
+    from plinth.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="ep must be 1 or the world"):
+        LLM(moe(root), tp=2, dp=2, ep=2, a2a="nccl", **KW)
+    with pytest.raises(ConfigError, match="cannot run with more than one rank"):
+        LLM(moe(root), tp=2, speculative_method="ngram", **KW)
+
+
+# ---- platform serve over HTTP, then a worker killed mid-stream ----------------------------------
+
+
+def _children(pid: int) -> dict[int, str]:
+    out = {}
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return not pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def test_serve_tp2_ep2_then_a_dead_worker_fails_loudly(root):
+    import openai
+
+    path = moe(root)
+    want = single(path)
+    with socket_port() as port:
+        url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [PLATFORM, "serve", path, "--port", str(port), "--tp", "2", "--ep", "2", "--a2a", "nccl", "--device", "cpu",
+         "--backend", "torch", "--dtype", "float32", "--num-pages", "96", "--max-model-len", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.3)
+        workers = [pid for pid, cmd in _children(proc.pid).items() if "spawn_main" in cmd]
+        assert len(workers) == 1, _children(proc.pid)
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        model = client.models.list().data[0].id
+        for i, p in enumerate(prompts()[:3]):  # greedy over HTTP = one process's tokens
+            r = client.completions.create(model=model, prompt=p, max_tokens=NEW, temperature=0)
+            assert r.usage.completion_tokens == NEW
+            assert r.choices[0].text == single.texts[i]
+        assert httpx.get(url + "/version").json()["engine"]["device"] == "cpu"
+
+        # a long stream; its worker dies after the first chunks
+        stream = client.completions.create(model=model, prompt=prompts()[0], max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = 0
+        t_kill = None
+        with pytest.raises((openai.APIError, httpx.HTTPError)) as err:
+            for _ in stream:
+                chunks += 1
+                if chunks == 3:
+                    os.kill(workers[0], signal.SIGKILL)
+                    t_kill = time.monotonic()
+        assert t_kill is not None, "the stream ended before the kill"
+        assert time.monotonic() - t_kill < 10, "the stream did not fail within 10 s"
+        assert chunks < 400
+        deadline = t_kill + 10
+        while httpx.get(url + "/health", timeout=2).status_code == 200:
+            assert time.monotonic() < deadline, "/health still ok 10 s after a rank died"
+            time.sleep(0.2)
+        # new requests get an error at once, naming the failure
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError) as err:
+            client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=4)
+        assert time.monotonic() - t0 < 5
+        assert "rank" in str(err.value), err.value
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        for pid in workers:
+            assert not _alive(pid), f"worker {pid} left behind"
+
+
+class socket_port:
+    def __enter__(self) -> int:
+        import socket
+
+        self.s = socket.socket()
+        self.s.bind(("127.0.0.1", 0))
+        return self.s.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.s.close()
