@@ -258,8 +258,8 @@ def fused_moe_case() -> None:
         got = moe.fused_moe(x, w13, w2, weights, ids)
         want = ref_ops.fused_moe(x, w13, w2, weights, ids)
         ok, err = compare(got, want, 3e-2)
-        ms = bench(lambda: moe.fused_moe(x, w13, w2, weights, ids))
-        ms_ref = bench(lambda: ref_ops.fused_moe(x, w13, w2, weights, ids), iters=5)
+        ms = bench(lambda x=x, weights=weights, ids=ids: moe.fused_moe(x, w13, w2, weights, ids))
+        ms_ref = bench(lambda x=x, weights=weights, ids=ids: ref_ops.fused_moe(x, w13, w2, weights, ids), iters=5)
         flops = tokens * top_k * 6 * h * inter
         tf = flops / ms / 1e9
         dense = dense_tflops(tokens * top_k, h, 2 * inter)
@@ -288,7 +288,7 @@ def fp8_case() -> None:
         aq, a_s = fp8.act_quant(x)
         emulated = (aq.float() * a_s.repeat_interleave(128, 1)[:, :k]) @ ref_ops.dequantize_weight(qw, torch.float32).T
         ok, err = compare(got, emulated, 2e-2)
-        ms = bench(lambda: fp8.linear(x, w8))
+        ms = bench(lambda x=x, w8=w8: fp8.linear(x, w8))
         tf = 2 * m * n * k / ms / 1e9
         note = ""
         if DEV.type == "cuda":
@@ -297,16 +297,16 @@ def fp8_case() -> None:
             b_row = w.abs().amax(1, keepdim=True).clamp(min=1e-12).t().contiguous() / 448
             a8 = (x.float() / a_row).to(torch.float8_e4m3fn)
             b8 = (w / b_row.t()).to(torch.float8_e4m3fn)
-            ms_peer = bench(lambda: scaled_mm_rowwise(a8, a_row, b8, b_row))
+            ms_peer = bench(lambda a8=a8, a_row=a_row, b8=b8, b_row=b_row: scaled_mm_rowwise(a8, a_row, b8, b_row))
             note = f"; _scaled_mm {ms_peer:.3f} ms: {100 * ms_peer / ms:.0f}% of its speed"
         ROWS.append(Row(f"FP8 W8A8 block {m}x{n}x{k}", ok, err, ms, f"{tf:.0f} TFLOP/s{note}", "within 20% of _scaled_mm" if m >= 1024 else ""))
         wo = fp8.pack(qw, native=False)
         got = fp8.linear(x, wo)
         want = ref_ops.linear(x, qw)
         ok, err = compare(got, want, 3e-2)
-        ms = bench(lambda: fp8.linear(x, wo))
+        ms = bench(lambda x=x, wo=wo: fp8.linear(x, wo))
         wd = ref_ops.dequantize_weight(qw, torch.bfloat16)
-        ms_bf16 = bench(lambda: x @ wd.T)
+        ms_bf16 = bench(lambda x=x, wd=wd: x @ wd.T)
         ROWS.append(Row(f"FP8 weight-only {m}x{n}x{k}", ok, err, ms, f"bf16 GEMM {ms_bf16:.3f} ms"))
 
 

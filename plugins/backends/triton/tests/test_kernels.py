@@ -192,7 +192,7 @@ def test_fused_moe_many_experts_few_tokens():
     ids = torch.tensor([[63, 5, 17], [5, 40, 0]])
     weights = torch.rand(2, 3, generator=g)
     sorted_pairs, block_expert = moe.align(ids, num_experts, 16)
-    assert sorted_pairs.numel() <= 6 + 6 * 15 and sorted((set(block_expert.tolist()) - {-1})) == [0, 5, 17, 40, 63]
+    assert sorted_pairs.numel() <= 6 + 6 * 15 and sorted(set(block_expert.tolist()) - {-1}) == [0, 5, 17, 40, 63]
     assert_close(moe.fused_moe(x, w13, w2, weights, ids), ref_ops.fused_moe(x, w13, w2, weights, ids), 2e-5)
 
 

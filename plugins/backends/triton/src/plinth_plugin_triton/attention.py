@@ -149,10 +149,10 @@ def _decode_merge_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     s_mask = offs_s < num_splits
     m = tl.load(MidM + b * stride_mb + h * stride_mh + offs_s, mask=s_mask, other=-1e30)
-    l = tl.load(MidL + b * stride_mb + h * stride_mh + offs_s, mask=s_mask, other=0.0)
+    l_s = tl.load(MidL + b * stride_mb + h * stride_mh + offs_s, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(s_mask, tl.exp(m - m_max), 0.0)
-    total = tl.sum(l * w, 0)
+    total = tl.sum(l_s * w, 0)
     total = tl.where(total > 0, total, 1.0)
     o = tl.load(MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_dv[None, :],
                 mask=s_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
