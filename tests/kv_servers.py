@@ -70,7 +70,7 @@ class Proc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(15)
+                self.proc.wait(8)  # a mooncake client whose master is gone takes ~13 s to close
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)

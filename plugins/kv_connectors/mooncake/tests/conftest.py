@@ -75,3 +75,12 @@ def master():
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture
+def master_down():
+    """A master that is not running yet (ports chosen): the test starts it."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    m = Master()
+    yield m
+    m.kill()

@@ -78,3 +78,38 @@ def test_hits_then_master_killed_then_restarted(model, master):
     out, _ = _gen(llm, prompts[0])
     assert out.outputs[0].token_ids == refs[0]
     assert out.num_external_cached_tokens == 160
+
+
+def test_a_value_corrupted_in_the_store_is_a_miss(model, master):
+    """A byte flipped in one stored page (rewritten in the real store with
+    upsert): that page and the ones after it are recomputed, never loaded;
+    the output is unchanged and the failure is counted by kind."""
+    from mooncake.store import MooncakeDistributedStore
+    from plinth.engine.kv_transfer import make_key
+
+    prompt = SHARED + [9, 9]
+    ref_llm = _llm(model)
+    ref = _gen(ref_llm, prompt)[0].outputs[0].token_ids
+    del ref_llm
+    llm = _llm(model, kv_connector="mooncake", kv_connector_config={**master.config, "deadline_s": 5.0})
+    kv = llm.engine.kv
+    _gen(llm, prompt)
+    assert kv.connector.flush(10)
+    seq_hashes = list(kv.connector._known)  # the 10 pages just saved, in order
+    assert len(seq_hashes) == 10
+    key = make_key(kv.connector.layout, seq_hashes[4])
+    c = master.config
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", c["metadata_server"], 16 << 20, 16 << 20, "tcp", "", c["master_server_address"]) == 0
+    value = bytearray(store.get(key))
+    assert len(value) == kv.connector.layout.value_bytes
+    value[-1] ^= 0xFF  # the payload's last byte: the checksum no longer matches
+    assert store.upsert(key, bytes(value)) == 0
+    assert bytes(store.get(key)) == bytes(value)
+    kv.reset_prefix_cache()
+    out, _ = _gen(llm, prompt)
+    assert out.outputs[0].token_ids == ref
+    assert out.num_external_cached_tokens == 4 * 16  # the pages before the corrupt one
+    s = llm.engine.stats()
+    assert s["kv_connector_failures"].get("corrupt", 0) == 1
+    assert s["kv_connector_recomputed_tokens"] == 6 * 16
