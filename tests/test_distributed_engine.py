@@ -54,8 +54,7 @@ def requests():
 def single(path: str):
     ps, params = requests()
     outs = LLM(path, **KW).generate(ps, params)
-    single.texts = [o.outputs[0].text for o in outs]
-    return [[c.token_ids for c in o.outputs] for o in outs]
+    return [[c.token_ids for c in o.outputs] for o in outs], [o.outputs[0].text for o in outs]
 
 
 def run_parallel(path: str, **kw):
@@ -75,7 +74,7 @@ def run_parallel(path: str, **kw):
 @pytest.mark.parametrize("kw", [dict(tp=2), dict(ep=2, a2a="nccl")], ids=["tp2", "ep2-dp2"])
 def test_moe_llm_matches_one_process(root, kw):
     path = moe(root)
-    want = single(path)
+    want, _ = single(path)
     got, took = run_parallel(path, **kw)
     assert got == want
     assert took < 90
@@ -83,7 +82,7 @@ def test_moe_llm_matches_one_process(root, kw):
 
 def test_dense_llama_tp2_matches_one_process(root):
     path = tiny_model_dir("llama", root)
-    want = single(path)
+    want, _ = single(path)
     got, _ = run_parallel(path, tp=2)
     assert got == want
 
@@ -126,7 +125,7 @@ def test_serve_tp2_ep2_then_a_dead_worker_fails_loudly(root):
     import openai
 
     path = moe(root)
-    want = single(path)
+    _, texts = single(path)
     with socket_port() as port:
         url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
@@ -154,7 +153,7 @@ def test_serve_tp2_ep2_then_a_dead_worker_fails_loudly(root):
         for i, p in enumerate(prompts()[:3]):  # greedy over HTTP = one process's tokens
             r = client.completions.create(model=model, prompt=p, max_tokens=NEW, temperature=0)
             assert r.usage.completion_tokens == NEW
-            assert r.choices[0].text == single.texts[i]
+            assert r.choices[0].text == texts[i]
         assert httpx.get(url + "/version").json()["engine"]["device"] == "cpu"
 
         # a long stream; its worker dies after the first chunks
@@ -201,3 +200,28 @@ class socket_port:
 
     def __exit__(self, *exc) -> None:
         self.s.close()
+
+
+def test_a_stopped_worker_fails_the_engine_within_the_timeout(root):
+    """SIGSTOP: the rank is alive but silent; the collective timeout (3 s
+    here) turns it into DeadRankError, and shutdown leaves nothing behind."""
+    import threading
+
+    from plinth.engine.distributed import DeadRankError
+
+    llm = LLM(moe(root), tp=2, dist_timeout=3.0, **KW)
+    (rank, proc), = llm.engine.procs
+    timer = threading.Timer(1.0, os.kill, (proc.pid, signal.SIGSTOP))
+    t0 = time.monotonic()
+    try:
+        timer.start()
+        with pytest.raises(DeadRankError):
+            llm.generate([prompts()[0]] * 8, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        assert time.monotonic() - t0 < 1.0 + 3.0 + 7.0, "not reported within the timeout"
+        with pytest.raises(DeadRankError):  # and stays failed
+            llm.generate([prompts()[0]], SamplingParams(max_tokens=2))
+    finally:
+        timer.cancel()
+        llm.shutdown()
+    proc.join(5)
+    assert proc.exitcode is not None, "the stopped worker was left behind"
