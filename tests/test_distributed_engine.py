@@ -21,10 +21,9 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "plugins/models/llama/tests"))
 
+from plinth import LLM, SamplingParams  # noqa: E402
 from tiny_models import tiny_model_dir, write_tokenizer  # noqa: E402
 from tiny_moe import prompts, saved_model  # noqa: E402
-
-from plinth import LLM, SamplingParams  # noqa: E402
 
 KW = dict(device="cpu", backend="torch", dtype="float32", num_pages=96, load_progress=False)
 PLATFORM = str(pathlib.Path(sys.executable).with_name("platform"))

@@ -647,7 +647,6 @@ def _is_collective_error(exc: BaseException) -> bool:
 
 def build_distributed_engine(config: EngineConfig, registry: Any = None) -> DistributedEngine:
     """Rank 0: launch this node's workers, set up, and build one engine per dp group."""
-    import multiprocessing as mp
 
     from plinth.engine.block_manager import BlockPool
     from plinth.engine.engine import LLMEngine

@@ -20,7 +20,15 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, port: int) -> 
     import torch.distributed as dist
 
     from plinth.engine.distributed import (
-        OP_NOOP, OP_STEP, OP_STOP, RankForward, control, make_store, metadata_from, setup_rank, unpack_step,
+        OP_NOOP,
+        OP_STEP,
+        OP_STOP,
+        RankForward,
+        control,
+        make_store,
+        metadata_from,
+        setup_rank,
+        unpack_step,
     )  # fmt: skip
     from plinth.engine.model_runner import ModelRunner
 
