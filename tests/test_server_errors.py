@@ -85,7 +85,7 @@ CASES = [
     ("n-negative-completions", CMPL, cmpl(n=-1), 400, None, "n"),
     # max_tokens < 1, or beyond the context
     ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, "invalid_value", "max_tokens"),
-    ("max-completion-tokens-negative", CHAT, chat(max_completion_tokens=-3), 400, None, "max_tokens"),
+    ("max-completion-tokens-negative", CHAT, chat(max_completion_tokens=-3), 400, None, "max_completion_tokens"),
     ("max-tokens-zero-completions", CMPL, cmpl(max_tokens=0), 400, None, "max_tokens"),
     ("max-tokens-zero-messages", MSG, msg(max_tokens=0), 400, None, None),
     ("max-tokens-context-chat", CHAT, chat(max_tokens=10**7), 400, "context_length_exceeded", "max_tokens"),

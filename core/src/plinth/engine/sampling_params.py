@@ -73,6 +73,9 @@ class SamplingParams:
                 raise bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}", name)
         if self.min_tokens < 0:
             raise bad("min_tokens must be >= 0", "min_tokens")
+        # torch generators take 64 bits; sample i of n is seeded with seed + i
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - self.n:
+            raise bad(f"seed must be a 64-bit integer, got {self.seed}", "seed")
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plinth import __version__
-from plinth.server import anthropic_api, openai_api, responses_api
+from plinth.server import anthropic_api, openai_api, openapi, responses_api
 from plinth.server.errors import APIError, error_body, error_bytes, is_anthropic_path, validation_message
 from plinth.server.generation import GenerationPipeline
 from plinth.server.metrics import CONTENT_TYPE
@@ -310,6 +310,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         ctx.check_model(req.model)
         ids = ctx.check_prompt_ids(req.tokens, "tokens")
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(ids, skip_special_tokens=False))
+
+    # the document states the errors, this server's model names and limits (server/openapi.py)
+    openapi.install(app, settings.served_model_names, engine.max_model_len, engine.model_config.vocab_size)
 
     # ---- middleware (the last added runs first) ----------------------------------------
 

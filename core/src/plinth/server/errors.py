@@ -119,7 +119,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, s
         # drop pydantic's union-branch tags (e.g. "str", "list[int]", "function-after[...]")
         loc = [x for x in loc if not (("[" in x and x.endswith("]")) or x in {"str", "int", "float", "bool", "list", "dict"})]
         where = ".".join(loc)
-        if param is None and where:
+        # the first field at fault; of a union's branches, the one that got furthest into it
+        if where and (param is None or (where.startswith(param + ".") and len(where) > len(param))):
             param = where
         parts.append(f"{where}: {e.get('msg', 'invalid')}" if where else str(e.get("msg", "invalid")))
     if len(errors) > 5:

@@ -10,11 +10,16 @@ newer clients keep working; a known field of the wrong type is a 400.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_serializer
 
 MAX_N = 128
+MAX_LOGPROBS = 20
+#: the sampler computes in float32: larger numbers would become inf there
+FLOAT32_MAX = 3.0e38
+#: seeds seed torch generators (64 bits); n > 1 seeds sample i with seed + i
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N
 
 
 class _Request(BaseModel):
@@ -48,19 +53,20 @@ class Usage(_Response):
 class SamplingFields(_Request):
     """Sampling options shared by completions and chat (vLLM's extras included)."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    # the bounds are the sampler's (SamplingParams.validate), stated here so the API document has them
+    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, json_schema_extra={"not": {"const": 0}}, description="-1 (off) or >= 1")
+    min_p: float | None = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=FLOAT32_MAX)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -116,15 +122,31 @@ class ModelList(_Response):
 # --------------------------------------------------------------------------
 
 
+_TOKEN_ID = {"type": "integer", "minimum": 0}
+
+
+def _nonempty(items: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": items, "minItems": 1}
+
+
+#: OpenAI's logit_bias: {"token id": bias}
+LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]]
+
+
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    #: the route checks emptiness and the vocabulary, with messages that say which prompt; the document states it
+    prompt: Annotated[
+        str | list[str] | list[int] | list[list[int]],
+        WithJsonSchema({"anyOf": [{"type": "string"}, _nonempty({"type": "string"}), _nonempty(_TOKEN_ID), _nonempty(_nonempty(_TOKEN_ID))]}),
+    ]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
+    #: accepted only equal to n, and suffix only empty (the route says why): documented as absent
+    best_of: Annotated[int | None, WithJsonSchema({"type": "null"})] = None
+    suffix: Annotated[str | None, WithJsonSchema({"type": "null"})] = None
+    logit_bias: LogitBias | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -163,8 +185,8 @@ class CompletionStreamResponse(CompletionResponse):
 
 class ContentPart(_Request):
     model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    type: Literal["text", "input_text", "output_text"]  # text only
+    text: str
 
 
 class FunctionCall(_Request):
@@ -214,11 +236,11 @@ class NamedToolChoice(_Request):
 class ChatCompletionRequest(SamplingFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: LogitBias | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -314,9 +336,39 @@ class AnthropicContentBlock(_Request):
     content: str | list[dict[str, Any]] | None = None  # tool_result
 
 
+def _block(kind: str, required: list[str], **props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": ["type", *required], "properties": {"type": {"const": kind}, **props}}
+
+
+_STR = {"type": "string"}
+#: the blocks the route reads (anthropic_api.anthropic_messages checks them, naming the block at fault)
+ANTHROPIC_BLOCKS = {
+    "oneOf": [
+        _block("text", ["text"], text=_STR),
+        _block("tool_use", ["id", "name", "input"], id=_STR, name={"type": "string", "minLength": 1}, input={"type": "object"}),
+        _block(
+            "tool_result",
+            ["tool_use_id"],
+            tool_use_id=_STR,
+            content={"anyOf": [_STR, {"type": "array", "items": _block("text", ["text"], text=_STR)}]},
+            is_error={"type": "boolean"},
+        ),
+        _block("thinking", ["thinking"], thinking=_STR, signature=_STR),
+        _block("redacted_thinking", ["data"], data=_STR),
+    ]
+}
+
+
+#: Anthropic's structured-output format (the only one the route takes)
+_JSON_SCHEMA_FORMAT = _block("json_schema", ["schema"], schema={"type": "object"})
+
+
 class AnthropicMessage(_Request):
     role: Literal["user", "assistant", "system"]
-    content: str | list[AnthropicContentBlock]
+    content: Annotated[
+        str | list[AnthropicContentBlock],
+        WithJsonSchema({"anyOf": [_STR, {"type": "array", "items": ANTHROPIC_BLOCKS}]}),
+    ]
 
 
 class AnthropicTextBlock(_Request):
@@ -357,13 +409,13 @@ class AnthropicToolChoice(_Request):
 class MessagesRequest(_Request):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int
+    max_tokens: int = Field(ge=1)
     system: str | list[AnthropicTextBlock] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
     stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, json_schema_extra={"not": {"const": 0}}, description="-1 (off) or >= 1")
     metadata: dict[str, Any] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
@@ -371,8 +423,8 @@ class MessagesRequest(_Request):
     #: reasoning is left in the text (the template decides whether the model thinks)
     thinking: dict[str, Any] | None = None
     #: structured outputs: {"format": {"type": "json_schema", "schema": {...}}}
-    output_config: dict[str, Any] | None = None
-    output_format: dict[str, Any] | None = None
+    output_config: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [{"type": "object", "properties": {"format": _JSON_SCHEMA_FORMAT}}, {"type": "null"}]})] = None
+    output_format: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [_JSON_SCHEMA_FORMAT, {"type": "null"}]})] = None
 
 
 class CountTokensRequest(_Request):
@@ -477,6 +529,17 @@ class MessageStopEvent(_Response):
 class TokenizeRequest(_Request):
     """Either ``prompt`` (a string) or ``messages`` (through the chat template)."""
 
+    model_config = ConfigDict(
+        extra="ignore",
+        protected_namespaces=(),
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1}}},
+            ]
+        },
+    )
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -494,7 +557,7 @@ class TokenizeResponse(_Response):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 class DetokenizeResponse(_Response):

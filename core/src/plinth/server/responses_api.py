@@ -13,37 +13,129 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Field
+from pydantic import ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
 from plinth.server.errors import APIError
 from plinth.server.generation import Done, Event, Failed, GenerationPipeline, GenerationSpec, Result, Started, Usage
-from plinth.server.protocol import _Request, _Response
+from plinth.server.protocol import FLOAT32_MAX, SEED_MAX, SEED_MIN, _Request, _Response
 from plinth.server.serving import STREAM_RESPONSE, ServingContext, now_s, random_id, sse_event
 from plinth.server.tools import ToolPlan, arguments_object, openai_tools, plan_tools
 
 
+class TextPart(_Request):
+    """A text content part (``input_text`` in, ``output_text`` of an earlier answer sent back)."""
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_Request):
+    """A call the model made earlier (as the answer gave it)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Request):
+    """What a call returned."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningItem(_Request):
+    """Earlier reasoning: accepted and left out of the prompt."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+
+
+def _item_kind(v: Any) -> str | None:
+    # a message may leave out its type (OpenAI's "easy input message")
+    if isinstance(v, dict):
+        return v.get("type", "message")
+    return getattr(v, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class PlainFormat(_Request):
+    type: Literal["text", "json_object"]
+
+
+class JSONSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["json_schema"]
+    name: str = "output"
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Request):
+    format: PlainFormat | JSONSchemaFormat | None = Field(None, discriminator="type")
+
+
 class ResponsesRequest(_Request):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
+    top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
-    #: {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     store: bool | None = None
-    previous_response_id: str | None = None
+    #: nothing is stored: a previous_response_id is refused (in the route, to say why)
+    previous_response_id: Annotated[str | None, WithJsonSchema({"type": "null"})] = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
 
 class ResponseObject(_Response):
@@ -70,20 +162,8 @@ class ResponseObject(_Response):
     truncation: str = "disabled"
 
 
-def _text_of(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError.bad_request(f"{where} must be a string or a list of text parts", param=where)
-    parts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise APIError.bad_request(f"content parts of type {kind!r} are not supported (text only)", param=f"{where}.{j}")
-        parts.append(part["text"])
-    return "\n".join(parts)
+def _text_of(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
 
 
 def input_messages(req: ResponsesRequest, *, native_tool_calls: bool) -> list[dict[str, Any]]:
@@ -93,19 +173,12 @@ def input_messages(req: ResponsesRequest, *, native_tool_calls: bool) -> list[di
     if isinstance(req.input, str):
         msgs.append({"role": "user", "content": req.input})
         return msgs
-    for i, item in enumerate(req.input):
-        where = f"input.{i}"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise APIError.bad_request(f"{where}.role must be user, assistant, system or developer", param=f"{where}.role")
-            msgs.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            name, args = item.get("name"), item.get("arguments", "{}")
-            if not isinstance(name, str) or not isinstance(args, str):
-                raise APIError.bad_request(f"{where}: a function_call needs a name and arguments (a string)", param=where)
-            call = {"id": item.get("call_id") or "", "type": "function", "function": {"name": name, "arguments": arguments_object(args)}}
+    for item in req.input:
+        if isinstance(item, MessageItem):
+            msgs.append({"role": "system" if item.role == "developer" else item.role, "content": _text_of(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            args = arguments_object(item.arguments)
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}}
             last = msgs[-1] if msgs else None
             if native_tool_calls:
                 if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -113,31 +186,22 @@ def input_messages(req: ResponsesRequest, *, native_tool_calls: bool) -> list[di
                 else:
                     msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
             else:
-                msgs.append({"role": "assistant", "content": json.dumps({"name": name, "arguments": call["function"]["arguments"]})})
-        elif kind == "function_call_output":
-            out = item.get("output")
-            text = out if isinstance(out, str) else _text_of(out, f"{where}.output")
-            msgs.append({"role": "tool", "tool_call_id": item.get("call_id") or "", "content": text})
-        elif kind == "reasoning":
-            continue
-        else:
-            raise APIError.bad_request(f"input items of type {kind!r} are not supported", param=f"{where}.type")
+                msgs.append({"role": "assistant", "content": json.dumps({"name": item.name, "arguments": args})})
+        elif isinstance(item, FunctionCallOutputItem):
+            msgs.append({"role": "tool", "tool_call_id": item.call_id, "content": _text_of(item.output)})
+        # reasoning items are not shown to the model again
     if not any(m["role"] != "system" for m in msgs):
         raise APIError.bad_request("input must hold at least one message", param="input")
     return msgs
 
 
-def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    fmt = (text or {}).get("format")
-    if not fmt:
+def response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    fmt = text.format if text is not None else None
+    if fmt is None:
         return None
-    if not isinstance(fmt, dict):
-        raise APIError.bad_request("text.format must be an object", param="text.format")
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt.get("schema")}}
-    if fmt.get("type") in ("text", "json_object"):
-        return {"type": fmt["type"]}
-    raise APIError.bad_request(f"text.format.type {fmt.get('type')!r} is not supported (text, json_object, json_schema)", param="text.format.type")
+    if isinstance(fmt, JSONSchemaFormat):
+        return {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_}}
+    return {"type": fmt.type}
 
 
 class ResponsesServing:
@@ -150,11 +214,9 @@ class ResponsesServing:
         model = ctx.check_model(req.model)
         if req.previous_response_id:
             raise APIError.bad_request("this server keeps no responses (stateless): send the whole conversation as input", param="previous_response_id")
-        tools = openai_tools(req.tools, flat=True)
+        tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []], flat=True)
         tc = req.tool_choice
-        mode, named = (tc, None) if not isinstance(tc, dict) else ("named", tc.get("name"))
-        if mode == "named" and (tc.get("type") != "function" or not isinstance(named, str)):
-            raise APIError.bad_request('tool_choice must be auto, none, required or {"type": "function", "name": ...}', param="tool_choice")
+        mode, named = (tc, None) if not isinstance(tc, NamedFunctionChoice) else ("named", tc.name)
         plan = plan_tools(tools, mode, named, req.parallel_tool_calls is not False)
         spec = GenerationSpec(
             request_id=random_id("resp_"),
@@ -187,10 +249,10 @@ class ResponsesServing:
             max_output_tokens=req.max_output_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
-            tools=list(req.tools or []),
-            tool_choice=req.tool_choice or ("auto" if plan.tools else "none"),
+            tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+            tool_choice=_dump(req.tool_choice) or ("auto" if plan.tools else "none"),
             parallel_tool_calls=req.parallel_tool_calls is not False,
-            text=req.text or {"format": {"type": "text"}},
+            text=req.text.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"format": {"type": "text"}},
             metadata=req.metadata or {},
         )
 
@@ -319,6 +381,10 @@ class _ResponseStream:
 
     def end(self) -> Iterable[str]:
         return ()
+
+
+def _dump(v: Any) -> Any:
+    return v.model_dump() if hasattr(v, "model_dump") else v
 
 
 def _message(text: str) -> dict[str, Any]:

@@ -24,9 +24,9 @@ from plinth.engine.sampling_params import SamplingParams
 from plinth.errors import PlinthError, RequestError
 from plinth.server.errors import APIError, engine_exception
 from plinth.server.metrics import RequestTracker, ServerMetrics
+from plinth.server.protocol import FLOAT32_MAX
 
 T = TypeVar("T")
-FLOAT32_MAX = 3.0e38
 
 
 @dataclass

@@ -320,6 +320,14 @@ class XGrammarState:
     def mask_logits(self, logits: Any) -> None:
         import xgrammar as xgr
 
+        if self.matcher.is_terminated():
+            # asked again after the grammar ended (a sequence that did not stop on it, e.g. under
+            # ignore_eos or min_tokens): xgrammar raises, which would fail the whole engine step;
+            # only a stop token is left to say, and the engine ends the sequence on it
+            keep = logits[list(self.matcher.stop_token_ids)].clone()
+            logits.fill_(float("-inf"))
+            logits[list(self.matcher.stop_token_ids)] = keep
+            return
         self.matcher.fill_next_token_bitmask(self.bitmask)
         width = logits.shape[-1]
         row = logits.unsqueeze(0)
