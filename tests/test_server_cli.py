@@ -69,6 +69,15 @@ def test_unknown_device_exits_2():
     assert "Traceback" not in r.stderr
 
 
+def test_unknown_parser_exits_2_before_the_model_loads():
+    # the model does not exist: had it been loaded first, that would be the error
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        r = run("serve", "/no/such/model", "--port", str(free_port()), flag, "no-such-parser")
+        assert r.returncode == 2, r.stderr
+        assert "no-such-parser" in r.stderr and "/no/such/model" not in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
 @pytest.mark.slow
 def test_platform_serve_default_model():
     why = smollm2_missing()

@@ -118,6 +118,17 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_parsers(registry: PluginRegistry, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """A parser named with --tool-call-parser / --reasoning-parser must load, or
+    start-up fails here with every candidate's reasons, before the model loads
+    (``auto`` needs the model's chat template: it is resolved when the app is built)."""
+    from plinth.hookspecs import SelectionContext
+
+    for category, name in (("tool_parser", tool_call_parser), ("reasoning_parser", reasoning_parser)):
+        if name and name not in ("auto", "none"):
+            registry.select(category, name, SelectionContext()).load()
+
+
 def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs: dict[str, Any]) -> int:
     import uvicorn
 
@@ -140,6 +151,7 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
     except TypeError as exc:
         raise ConfigError(f"invalid engine options: {exc}") from None
 
+    check_parsers(registry, args.tool_call_parser, args.reasoning_parser)
     sock = _listen(args.host, args.port)
     try:
         engine = AsyncLLM.from_config(config, registry)
