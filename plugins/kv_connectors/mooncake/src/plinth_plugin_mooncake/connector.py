@@ -11,6 +11,10 @@ Configuration (the fields Mooncake's own vLLM/SGLang integrations use), from
 * ``global_segment_size``, ``local_buffer_size``: bytes this client
   contributes to the store / uses for transfers (default 256 MiB / 128 MiB)
 * ``local_hostname``: this client's address (default 127.0.0.1)
+* ``zero_copy`` (default true): move values with ``batch_get_into`` /
+  ``batch_put_from`` straight between the store and the core's staging
+  buffers, registered with the transfer engine (``register_buffer``); false:
+  ``get_batch`` / ``put_batch`` through Python bytes (two more copies)
 
 Mooncake answers with return codes, and a dead master makes each call block
 for seconds (see the project's FACTS): the core calls this class only off the
@@ -34,6 +38,10 @@ from urllib.parse import urlsplit
 from plinth.api import ConfigError, KVConnector, SelectionContext
 
 log = logging.getLogger("plinth.kv_connector.mooncake")
+
+#: Mooncake Store error codes (mooncake-store/include/types.h)
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
 
 FIELDS = (
     "metadata_server", "master_server_address", "protocol", "device_name", "global_segment_size",
@@ -90,6 +98,9 @@ class MooncakeConnector(KVConnector):
         self._store: Any = None
         self._lock = threading.Lock()
         self._last_attempt = 0.0
+        self.zero_copy = str(self.config.get("zero_copy", True)).lower() not in ("0", "false", "no")
+        #: staging areas registered with the transfer engine: thread id -> (address, bytes)
+        self._regions: dict[int, tuple[int, int]] = {}
 
     def _client(self) -> Any:
         with self._lock:
@@ -141,10 +152,53 @@ class MooncakeConnector(KVConnector):
             n += 1
         return n
 
+    # ---- zero copy: the core's staging area registered for the call that follows on this thread ----
+
+    def register_buffer(self, buffer: Any) -> None:
+        if not self.zero_copy:
+            return
+        store = self._client()
+        addr, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        rc = store.register_buffer(addr, size)
+        if rc != 0:
+            log.warning("mooncake: register_buffer returned %d; this call copies through bytes", rc)
+            return
+        self._regions[threading.get_ident()] = (addr, size)
+
+    def _registered(self, buffers: Sequence[Any]) -> tuple[int, int] | None:
+        region = self._regions.get(threading.get_ident())
+        if region is None:
+            return None
+        lo, hi = region[0], region[0] + region[1]
+        for b in buffers:
+            if not (lo <= b.data_ptr() and b.data_ptr() + b.numel() <= hi):
+                return None
+        return region
+
+    def _unregister(self, store: Any) -> None:
+        region = self._regions.pop(threading.get_ident(), None)
+        if region is not None:
+            rc = store.unregister_buffer(region[0])  # the core frees the staging area after this call
+            if rc != 0:
+                log.warning("mooncake: unregister_buffer returned %d", rc)
+
     def load(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        store = self._client()
+        if self._registered(buffers) is not None:
+            try:
+                got = store.batch_get_into(list(keys), [b.data_ptr() for b in buffers], [b.numel() for b in buffers])
+            finally:
+                self._unregister(store)
+            if got and got[0] < 0 and got[0] != OBJECT_NOT_FOUND:
+                raise ConnectionError(f"mooncake: batch_get_into returned {got[0]}")
+            return [int(n) if n > 0 else 0 for n in got]
+        self._unregister(store)
+        return self._load_bytes(store, keys, buffers)
+
+    def _load_bytes(self, store: Any, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         import numpy as np
 
-        values = self._client().get_batch(list(keys))
+        values = store.get_batch(list(keys))
         sizes = []
         for v, buf in zip(values, buffers):
             if not v:
@@ -158,6 +212,16 @@ class MooncakeConnector(KVConnector):
 
     def save(self, keys: Sequence[str], values: Sequence[Any]) -> None:
         store = self._client()
+        if self._registered(values) is not None:
+            try:
+                rcs = store.batch_put_from(list(keys), [v.data_ptr() for v in values], [v.numel() for v in values])
+            finally:
+                self._unregister(store)
+            failed = [r for r in rcs if r < 0 and r != OBJECT_ALREADY_EXISTS]
+            if failed:
+                raise ConnectionError(f"mooncake: batch_put_from failed for {len(failed)} of {len(rcs)} keys ({failed[0]})")
+            return
+        self._unregister(store)
         rc = store.put_batch(list(keys), [v.numpy().tobytes() for v in values])
         if rc < 0:
             raise ConnectionError(f"mooncake: put_batch returned {rc}")
