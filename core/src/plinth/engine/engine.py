@@ -343,6 +343,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: Any = None) -> None:
         self.scheduler.finish(seq, reason, stop_reason)
+        if self.spec is not None:
+            self.spec.release(seq.seq_id)
         if seq.request.finished:
             seq.request.finished_time = time.monotonic()
 

@@ -106,10 +106,8 @@ class SpecDecoder:
     def propose(self, running: Iterable[Any], live_ids: set[int], max_model_len: int) -> list[Any]:
         """Give each decoding sequence its proposals (``seq.spec_tokens``);
         drop the state of sequences no longer alive. Returns those given any."""
-        for key in [k for k in self.states if k not in live_ids]:
-            del self.states[key]
-            self.hidden.pop(key, None)
-            self.proposer.free(key)
+        for key in [k for k in self.states if k not in live_ids]:  # aborted, or ended elsewhere
+            self.release(key)
         items: list[ProposeItem] = []
         seqs = []
         for seq in running:
@@ -144,6 +142,12 @@ class SpecDecoder:
                 seq.spec_tokens = toks
                 given.append(seq)
         return given
+
+    def release(self, key: int) -> None:
+        """A sequence ended: the proposer drops what it keeps for it."""
+        if self.states.pop(key, None) is not None:
+            self.hidden.pop(key, None)
+            self.proposer.free(key)
 
     # ---- after the forward -------------------------------------------------------------
 
