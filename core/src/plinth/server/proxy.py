@@ -81,6 +81,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.background import BackgroundTask
 
     pre, dec = Pool(prefill), Pool(decode)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
@@ -147,17 +148,24 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
                 502,
             )
 
+        closed = []
+
+        async def close() -> None:  # once, from whichever of the two runs first
+            if not closed:
+                closed.append(True)
+                up.inflight -= 1
+                await r.aclose()
+
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async for chunk in r.aiter_raw():
                     yield chunk
                 up.served += 1
             finally:
-                up.inflight -= 1
-                await r.aclose()
+                await close()
 
         keep = {k: v for k, v in r.headers.items() if k.lower() not in _DROP and k.lower() != "content-encoding"}
-        return StreamingResponse(relay(), status_code=r.status_code, headers=keep)
+        return StreamingResponse(relay(), status_code=r.status_code, headers=keep, background=BackgroundTask(close))
 
     for route in ROUTES:
         app.add_api_route(route, generate, methods=["POST"])

@@ -1,0 +1,79 @@
+"""platform proxy against stand-in instances (in threads, 127.0.0.1): what
+the prefill instance is sent, least-loaded choice with ties in turn, a dead
+or failing prefill instance falling back to the decode instance, a client
+error from the prefill instance answered as is, streams passed through."""
+
+import json
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from plinth.server.proxy import Pool, build_proxy_app, prefill_body
+from kv_servers import free_port
+from server_fixtures import ServerThread
+
+
+def stand_in(name, log, status=200):
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        log.append((name, body))
+        if status != 200:
+            return JSONResponse({"error": {"message": f"{name} says {status}"}}, status)
+        if body.get("stream"):
+            async def gen():
+                for t in ("a", "b", "c"):
+                    yield f"data: {json.dumps({'choices': [{'text': t}]})}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        return {"choices": [{"text": f"from {name}"}], "usage": {"prompt_tokens_details": {"cached_tokens": 7}}}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+
+
+def test_prefill_body_and_pool():
+    body = {"model": "m", "prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}, "n": 2}
+    assert prefill_body("/v1/completions", body) == {"model": "m", "prompt": "x", "max_tokens": 1, "stream": False, "n": 1}
+    assert prefill_body("/v1/chat/completions", {"max_completion_tokens": 9})["max_tokens"] == 1
+    assert prefill_body("/v1/responses", {"max_output_tokens": 9}) == {"max_output_tokens": 1, "stream": False}
+    pool = Pool(["a", "b", "c"])
+    assert [pool.pick().url for _ in range(3)] == ["a", "b", "c"]  # ties in turn
+    pool.upstreams[0].inflight = pool.upstreams[2].inflight = 2
+    assert {pool.pick().url for _ in range(3)} == {"b"}  # least loaded
+
+
+def test_proxy_flow_and_fallbacks():
+    log = []
+    with ServerThread(stand_in("p1", log)) as p1, ServerThread(stand_in("p2", log)) as p2, \
+            ServerThread(stand_in("d1", log)) as d1, ServerThread(stand_in("bad", log, 500)) as bad, \
+            ServerThread(stand_in("client_err", log, 400)) as cerr:
+        dead = f"http://127.0.0.1:{free_port()}"
+        with ServerThread(build_proxy_app([p1.url, p2.url], [d1.url])) as px:
+            r = httpx.post(px.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, timeout=10)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "from d1"
+            assert [n for n, _ in log] == ["p1", "d1"]
+            assert log[0][1]["max_tokens"] == 1 and log[1][1]["max_tokens"] == 5
+            with httpx.stream("POST", px.url + "/v1/completions", json={"prompt": "hi", "stream": True}, timeout=10) as s:
+                text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                               if line.startswith("data: {"))
+            assert text == "abc" and [n for n, _ in log[2:]] == ["p2", "d1"]  # the other prefill instance's turn
+            h = httpx.get(px.url + "/health", timeout=10).json()
+            assert h["status"] == "ok" and len(h["prefill"]) == 2
+        log.clear()
+        with ServerThread(build_proxy_app([dead, bad.url], [d1.url])) as px:
+            for _ in range(2):  # a dead and a failing prefill instance: the decode instance computes it all
+                r = httpx.post(px.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, timeout=10)
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == "from d1"
+            assert [n for n, _ in log] == ["d1", "bad", "d1"]
+            assert httpx.get(px.url + "/health", timeout=10).json()["status"] == "degraded"
+        log.clear()
+        with ServerThread(build_proxy_app([cerr.url], [d1.url])) as px:
+            r = httpx.post(px.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+            assert r.status_code == 400 and "client_err says 400" in r.text
+            assert [n for n, _ in log] == ["client_err"]  # never reached the decode instance
