@@ -389,3 +389,65 @@ def test_proposers_are_listed_by_platform_plugins():
     assert rows[("proposer", "draft")]["status"] == "ok"  # no draft model to judge here
     assert {"ngram", "draft"} <= set(registry().names("proposer"))
 
+
+
+def test_hidden_states_reach_a_proposer_that_asks(target):
+    """A proposer with ``wants_hidden`` (the shape of MTP/EAGLE heads) gets
+    the target's hidden state behind each sequence's newest token: the row
+    whose logits chose that token."""
+    llm = make_llm(target)
+    model = llm.engine.runner.model
+    seen = []
+
+    class Heads:
+        wants_hidden = True
+
+        def propose(self, items):
+            for it in items:
+                if it.hidden is not None:
+                    seen.append((it.hidden, it.token_ids[-1]))
+            return [[it.token_ids[-1]] * it.k for it in items]
+
+        def free(self, key):
+            pass
+
+    llm.engine.spec = SpecDecoder(Heads(), 2, vocab_size=llm.engine.model_config.vocab_size)
+    llm.engine.runner.keep_hidden = True  # what start-up sets for such a proposer
+    out = llm.generate(PROMPTS[:3], GREEDY)
+    assert tokens(out) == tokens(plain(target, 16, PROMPTS[:3]))
+    assert len(seen) > 20
+    with torch.no_grad():
+        for hidden, newest in seen:
+            assert hidden.shape == (llm.engine.model_config.hidden_size,)
+            assert int(model.compute_logits(hidden[None]).argmax()) == newest
+
+
+def test_metrics_and_bench_serve_read_the_counters(target):
+    """engine.stats() -> /metrics (plinth:spec_decode_*) -> what
+    `platform bench serve` reads back and reports."""
+    from plinth.bench.serve import format_summary, parse_spec_metrics, spec_delta
+    from plinth.server.metrics import ServerMetrics
+
+    llm = make_llm(target, speculative_method="ngram", num_speculative_tokens=3, plugin_options={"ngram_min_n": 1})
+    before = parse_spec_metrics(ServerMetrics(llm.engine, "m").render().decode())
+    llm.generate(PROMPTS[:2], GREEDY)
+    s = llm.engine.stats()
+    after = parse_spec_metrics(ServerMetrics(llm.engine, "m").render().decode())
+    assert after["num_draft_tokens"] == s["spec_proposed_tokens"] > 0
+    assert after["num_accepted_tokens"] == s["spec_accepted_tokens"] > 0
+    assert after["acceptance_rate_per_position"] == dict(enumerate(s["spec_acceptance_rate_per_position"]))
+    d = spec_delta(before, after)
+    assert d["num_accepted_tokens"] == s["spec_accepted_tokens"]
+    assert abs(d["mean_accepted_length"] - s["spec_mean_accepted_length"]) < 1e-9
+    res = {"completed": 2, "failed": 0, "duration": 1.0, "total_input_tokens": 1, "total_output_tokens": 1, "request_throughput": 1.0,
+           "output_throughput": 1.0, "max_output_tokens_per_s": 1.0, "max_concurrent_requests": 1, "total_token_throughput": 1.0,
+           "speculative": d}
+    from plinth.bench.serve import PERCENTILE_METRICS
+
+    for name in PERCENTILE_METRICS:
+        res[f"mean_{name}_ms"] = res[f"median_{name}_ms"] = 0.0
+    text = format_summary(res, [])
+    assert f"Accepted tokens:                         {s['spec_accepted_tokens']}" in text
+    assert "Mean accepted length:" in text
+    plain_engine = make_llm(target).engine  # speculation off: no such metrics
+    assert parse_spec_metrics(ServerMetrics(plain_engine, "m").render().decode()) is None

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> 
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: throughput, batch1, batch32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", default=None, metavar="NAME", help="a proposer plugin (ngram, draft)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K")
+    g.add_argument("--speculative-model", default=None, metavar="PATH")
+    g.add_argument("--ngram-min-n", type=int, default=None)
+    g.add_argument("--ngram-max-n", type=int, default=None)
 
 
 # ---- hardware limits, measured now ----------------------------------------------
@@ -130,7 +136,8 @@ def run_plinth_throughput(llm: Any, work: list[tuple[list[int], int]]) -> dict[s
 
 
 def time_decode_steps(llm: Any, batch: int, prompt_len: int, steps: int, seed: int) -> float:
-    """Median seconds per engine step once ``batch`` sequences are all decoding."""
+    """Median seconds per engine step once ``batch`` sequences are all decoding,
+    divided by the tokens a sequence gains per step (1 without speculation)."""
     from plinth.engine.sampling_params import SamplingParams
 
     engine = llm.engine
@@ -143,13 +150,16 @@ def time_decode_steps(llm: Any, batch: int, prompt_len: int, steps: int, seed: i
         engine.step()
     engine.step()
     times = []
+    before = engine.num_generation_tokens
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    # with speculative decoding a step appends more than one token per sequence
+    per_step = (engine.num_generation_tokens - before) / (steps * batch)
     for rid in list(engine.requests):
         engine.abort_request(rid)
-    return statistics.median(times)
+    return statistics.median(times) / max(per_step, 1e-9)
 
 
 def flops_per_token(model: Any, dtype_bytes: int) -> float:
@@ -291,6 +301,9 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     llm = LLM(
         args.model, device=args.device, backend=args.backend, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, registry=registry, kv_cache_memory=2.0,
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model,
+        plugin_options={k: v for k, v in (("ngram_min_n", args.ngram_min_n), ("ngram_max_n", args.ngram_max_n)) if v is not None},
     )
     # which machine and paths the figures came from
     described = llm.engine.components.describe()
@@ -319,6 +332,8 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     if "throughput" not in skip:
         print("plinth: mixed workload...", file=sys.stderr)
         result["plinth_throughput"] = run_plinth_throughput(llm, work)
+        if llm.engine.spec is not None:  # acceptance on this workload
+            result["speculative"] = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
     if "batch1" not in skip:
         print("plinth: batch-1 decode...", file=sys.stderr)
         result["plinth_batch1_ms_per_token"] = time_decode_steps(llm, 1, 16, args.decode_steps, args.seed) * 1000
@@ -392,5 +407,13 @@ def print_report(r: dict[str, Any]) -> None:
         lines.append(
             f"batch-32 decode: {r['plinth_batch32_step_ms']:.1f} ms/step, {r['plinth_batch32_GFLOPs']:.0f} GFLOP/s "
             f"= {100 * r['plinth_batch32_fraction_of_matmul']:.0f}% of the measured matmul FLOP/s"
+        )
+    sp = r.get("speculative")
+    if sp:
+        per_pos = ", ".join(f"{x:.2f}" for x in sp["spec_acceptance_rate_per_position"])
+        lines.append(
+            f"speculative ({sp['spec_method']}, k={sp['spec_num_speculative_tokens']}) on the mixed workload: "
+            f"{sp['spec_proposed_tokens']} proposed, {sp['spec_accepted_tokens']} accepted, {sp['spec_rejected_tokens']} rejected "
+            f"(rate {sp['spec_acceptance_rate']:.2f}; per position {per_pos}); mean accepted length {sp['spec_mean_accepted_length']:.2f}"
         )
     print("\n".join(lines))

@@ -696,6 +696,17 @@ def format_summary(res: dict[str, Any], percentiles: Sequence[float]) -> str:
         row(f"Median {short} (ms):", res[f"median_{name}_ms"], ".2f")
         for p in percentiles:
             row(f"P{_pword(p)} {short} (ms):", res[f"p{_pword(p)}_{name}_ms"], ".2f")
+    sp = res.get("speculative")
+    if sp:
+        lines.append("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
+        row("Proposed tokens:", int(sp["num_draft_tokens"]))
+        row("Accepted tokens:", int(sp["num_accepted_tokens"]))
+        row("Rejected tokens:", int(sp["num_rejected_tokens"]))
+        row("Acceptance rate:", sp["acceptance_rate"], ".2f")
+        row("Mean accepted length:", sp["mean_accepted_length"], ".2f")
+        per = sp["acceptance_rate_per_position_since_start"]
+        if per:
+            row("Acceptance per position:", ", ".join(f"{x:.2f}" for x in per))
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -927,6 +938,47 @@ def server_engine(cfg: BenchConfig) -> dict[str, Any] | None:
         return None
 
 
+def server_spec_counters(cfg: BenchConfig) -> dict[str, Any] | None:
+    """The server's speculative-decoding counters from /metrics (plinth's
+    ``plinth:spec_decode_*``); None when it has none (speculation off, or
+    another server)."""
+    import httpx
+
+    try:
+        r = httpx.get(cfg.base_url + "/metrics", headers=_headers(cfg), timeout=10, trust_env=not _is_loopback(cfg.base_url))
+    except Exception:
+        return None
+    return parse_spec_metrics(r.text) if r.status_code == 200 else None
+
+
+def parse_spec_metrics(text: str) -> dict[str, Any] | None:
+    out: dict[str, Any] = {}
+    for line in text.splitlines():
+        if line.startswith("plinth:spec_decode_"):
+            name, _, value = line.rpartition(" ")
+            key = name.split("{")[0].removeprefix("plinth:spec_decode_").removesuffix("_total")
+            if "position=" in name:
+                pos = int(name.split('position="')[1].split('"')[0])
+                out.setdefault("acceptance_rate_per_position", {})[pos] = float(value)
+            else:
+                out[key] = float(value)
+    return out or None
+
+
+def spec_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Proposed, accepted and rejected tokens during the run, with the rates."""
+    if not after:
+        return None
+    b = before or {}
+    d = {k: after.get(k, 0.0) - b.get(k, 0.0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_rejected_tokens")}
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    # tokens a sequence gains per step that scored proposals (accepted + the target's own)
+    d["mean_accepted_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    pos = after.get("acceptance_rate_per_position") or {}
+    d["acceptance_rate_per_position_since_start"] = [pos[i] for i in sorted(pos)]
+    return d
+
+
 def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Prepare the prompts, run, print, save and plot; the result dict (vLLM's keys)."""
     import asyncio
@@ -940,8 +992,10 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[
     client = getattr(counter, "client", None)
     if client is not None:
         client.close()
+    spec_before = server_spec_counters(cfg)
     res, outputs = asyncio.run(benchmark(cfg, requests, model, counter.name, log))
     res["server_engine"] = server_engine(cfg)
+    res["speculative"] = spec_delta(spec_before, server_spec_counters(cfg))
     log(format_summary(res, cfg.percentiles))
     errors = format_errors(outputs)
     if errors:

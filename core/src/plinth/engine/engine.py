@@ -218,6 +218,9 @@ class LLMEngine:
                 src_rows.append(i)
         if len(expanded) != len(samplers):
             sample_logits = sample_logits[torch.tensor(src_rows)]
+        if self.spec is not None and self.spec.wants_hidden:
+            for seq, r in zip(expanded, src_rows):
+                self.spec.hidden[seq.seq_id] = self.runner.last_hidden[sample_at[r]]
 
         sample_rows = [self._sample_row(seq) for seq in expanded]
         tokens, logprobs = self.sampler(sample_logits, sample_rows)
@@ -262,6 +265,8 @@ class LLMEngine:
             n = batch.num_tokens[i]
             v = self.spec.verify(seq, logits[first : first + n], self._sample_row)
             seq.spec_tokens = []
+            if self.spec.wants_hidden:  # the row behind the token the target added itself
+                self.spec.hidden[seq.seq_id] = self.runner.last_hidden[first + v.accepted]
             batch.num_tokens[i] = 0  # _append_verified advances what was computed, not mark_computed
             out.append((seq, v))
         return out

@@ -51,6 +51,9 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.page_dims = self._find_page_dims(heads, v_dim)
+        #: keep the hidden states of the logits rows of the last step (speculative proposers that ask)
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def _find_page_dims(self, heads: int, v_dim: int) -> list[int | None]:
         """The page dimension of each tensor of a layer's cache, found by
@@ -155,7 +158,10 @@ class ModelRunner:
         if not logit_rows:
             return torch.empty(0, self.cfg.vocab_size)
         rows = torch.tensor(list(logit_rows), dtype=torch.long, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()
+        picked = hidden.index_select(0, rows)
+        if self.keep_hidden:  # a proposer reading the target's hidden states (MTP, EAGLE heads)
+            self.last_hidden = picked
+        return self.model.compute_logits(picked).float().cpu()
 
     @torch.inference_mode()
     def copy_pages(self, src: Seq[int], dst: Seq[int]) -> None:

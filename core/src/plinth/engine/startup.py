@@ -238,6 +238,7 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     if config.speculative_method:
         draft = dict(registry=registry, ctx=ctx, ops=ops, backend=backend_entry.name, num_pages=num_pages, page_size=config.page_size)
         spec = build_spec_decoder(config, registry, ctx, model_cfg, tokenizer, draft)
+        runner.keep_hidden = spec.wants_hidden
     log.info("engine ready: %s", components.describe())
     return LLMEngine(
         runner=runner,

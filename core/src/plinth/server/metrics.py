@@ -62,6 +62,25 @@ class _EngineCollector(Collector):
         yield counter("plinth:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.get("prefix_cache_hits", 0))
         yield counter("plinth:num_preemptions", "Sequences preempted for lack of KV pages.", s.get("preemptions", 0))
         yield counter("plinth:engine_steps", "Engine steps run.", s.get("steps", 0))
+        if "spec_proposed_tokens" in s:  # speculative decoding is on
+            yield counter("plinth:spec_decode_num_drafts", "Sequence-steps that scored proposals.", s["spec_verified_steps"])
+            yield counter("plinth:spec_decode_num_draft_tokens", "Tokens proposed.", s["spec_proposed_tokens"])
+            yield counter("plinth:spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.", s["spec_accepted_tokens"])
+            yield counter("plinth:spec_decode_num_rejected_tokens", "Proposed tokens the target rejected.", s["spec_rejected_tokens"])
+            yield gauge("plinth:spec_decode_acceptance_rate", "Accepted / proposed tokens, since start.", s["spec_acceptance_rate"])
+            yield gauge(
+                "plinth:spec_decode_mean_accepted_length",
+                "Tokens a step with proposals appends per sequence (accepted + the target's own).",
+                s["spec_mean_accepted_length"],
+            )
+            g = GaugeMetricFamily(
+                "plinth:spec_decode_acceptance_rate_per_position",
+                "Acceptance rate of the i-th proposal (when it was scored).",
+                labels=[*labels, "position"],
+            )
+            for i, rate in enumerate(s["spec_acceptance_rate_per_position"]):
+                g.add_metric([*value, str(i)], float(rate))
+            yield g
         if "prefix_cache_local_hit_tokens" in s:
             yield counter(
                 "plinth:prefix_cache_local_hit_tokens", "Prompt tokens served from this engine's prefix cache.",
