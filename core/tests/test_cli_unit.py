@@ -47,7 +47,7 @@ def test_serve_choices_and_plugin_options_come_from_the_registry(capsys: pytest.
 
 def test_core_lists_no_plugin_names() -> None:
     """Each category's option is declared in core; the names never are."""
-    assert set(CATEGORY_OPTIONS) == {"accelerator", "backend", "a2a", "kv_connector"}
+    assert set(CATEGORY_OPTIONS) == {"accelerator", "backend", "a2a", "kv_connector", "proposer"}
     parser = build_parser(registry_of())
     assert parser.parse_args(["serve", "--device", "anything-at-all"]).device == "anything-at-all"
 
