@@ -315,7 +315,7 @@ register_subcommand("serve", "plinth.cli_engine", "serve", "serve the OpenAI- an
 register_subcommand(
     "proxy", "plinth.server.proxy", "proxy", "prefill/decode disaggregation: a proxy in front of --role prefill and --role decode servers"
 )
-register_subcommand("bench", "plinth.cli_engine", "bench", "benchmarks: `bench offline` (engine) and `bench serve` (HTTP)")
+register_subcommand("bench", "plinth.cli_engine", "bench", "benchmarks: `bench offline` (engine), `bench serve` (HTTP), `bench a2a` (MoE all-to-all)")
 
 
 def build_parser(registry: PluginRegistry) -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from plinth.plugins import PluginRegistry
 BENCHMARKS = {
     "offline": ("plinth.bench.offline", "the engine offline vs transformers on the same weights"),
     "serve": ("plinth.bench.serve", "an OpenAI-compatible server over HTTP: throughput, TTFT, TPOT, ITL"),
+    "a2a": ("plinth.bench.a2a", "MoE dispatch/combine of every a2a plugin on real ranks: latency and GB/s, both layouts"),
 }
 
 
