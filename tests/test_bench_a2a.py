@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from plinth.bench.a2a import parse_spec
+from plinth.bench.a2a import parse_spec, split_label
 
 
 def test_parse_spec():
@@ -21,6 +21,8 @@ def test_parse_spec():
     )
     with pytest.raises(ValueError):
         parse_spec("nccl@novalue")
+    assert split_label("ll:deepep@deepep_generation=legacy") == ("ll", "deepep@deepep_generation=legacy")
+    assert split_label("nccl@x=a:b") == ("nccl@x=a:b", "nccl@x=a:b")
 
 
 def test_bench_a2a_two_ranks(tmp_path):

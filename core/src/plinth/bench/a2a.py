@@ -57,9 +57,9 @@ def _ints(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:
     names = registry.names("a2a")
     parser.add_argument(
-        "--a2a", action="append", default=None, metavar="NAME[@KEY=VALUE,...]",
-        help=f"an a2a plugin to measure, optionally with plugin options (repeat for several; the same "
-        f"plugin may appear with different options). Default: every registered one ({', '.join(names) or 'none installed'}); "
+        "--a2a", action="append", default=None, metavar="[LABEL:]NAME[@KEY=VALUE,...]",
+        help=f"an a2a plugin to measure, optionally with plugin options and a label for the table (repeat for "
+        f"several; the same plugin may appear with different options). Default: every registered one ({', '.join(names) or 'none installed'}); "
         f"those that do not validate here are listed with their reasons",
     )  # fmt: skip
     parser.add_argument("--ranks", type=int, default=2, help="processes in the ep group (one device each; default 2)")
@@ -85,6 +85,15 @@ def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> 
         "--timeout", type=float, default=600.0, help="seconds for one plugin's whole sweep (and each collective)"
     )
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
+
+
+def split_label(spec: str) -> tuple[str, str]:
+    """``LABEL:NAME@...`` -> (LABEL, ``NAME@...``); without a label the spec is its own."""
+    head = spec.split("@", 1)[0]
+    if ":" in head:
+        label, _, rest = spec.partition(":")
+        return label.strip() or rest, rest
+    return spec, spec
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -301,8 +310,8 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     backend = acc.info().dist_backend
     allow, block = getattr(args, "plugins_allow", None), getattr(args, "plugins_block", None)
     for spec in specs:
+        label, spec = split_label(spec)
         name, options = parse_spec(spec)
-        label = spec
         entry = registry.get("a2a", name)  # PluginError (exit 2) names the choices
         # the reasons that do not need the world (which exists only in the ranks): skip before spawning
         reasons = entry.evaluate(SelectionContext(accelerator=acc, ep=1, options=options))
