@@ -25,6 +25,7 @@ def test_parse_spec():
     assert split_label("nccl@x=a:b") == ("nccl@x=a:b", "nccl@x=a:b")
 
 
+@pytest.mark.slow  # two spawns of 2 ranks: 16-24 s on 2 shared cores
 def test_bench_a2a_two_ranks(tmp_path):
     pytest.importorskip("plinth_plugin_nccl")
     out = tmp_path / "a2a.json"
