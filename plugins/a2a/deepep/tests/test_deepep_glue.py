@@ -45,7 +45,14 @@ def glue_rank(rank: int, world: int, generation: str, fp8: bool) -> dict:
             want = _expected(x, weights, ids, scaled)
             errors.append(float((y.float() - want).abs().max()) / (1 + float(want.abs().max())) if tokens else 0.0)
             assert y.dtype == x.dtype and y.shape == x.shape
-    return {"errors": errors, "layouts": layouts, "calls": list(deep_ep.CALLS)}
+    over_cap = None
+    if generation == "legacy":  # a decode step over the cap is an error on that rank, never a switch of kernels
+        x = torch.randn(17, hidden).to(torch.bfloat16)
+        try:
+            a2a.dispatch(x, torch.zeros(17, 2, dtype=torch.long), torch.ones(17, 2) / 2, decode=True)
+        except Exception as exc:  # PluginError
+            over_cap = str(exc)
+    return {"errors": errors, "layouts": layouts, "calls": list(deep_ep.CALLS), "over_cap": over_cap}
 
 
 @pytest.mark.parametrize("generation,fp8", [("legacy", False), ("legacy", True), ("v2", False)])
@@ -64,6 +71,7 @@ def test_round_trips_through_the_fake(generation, fp8):
             ll = [kw for name, kw in o["calls"] if name == "low_latency_dispatch"]
             assert all(kw["num_max"] == 16 and kw["num_experts"] == 8 and kw["use_fp8"] == fp8 for kw in ll)
             assert names.count("dispatch") == 4 and names.count("low_latency_combine") == 6
+            assert o["over_cap"] and "at least --max-num-seqs" in o["over_cap"]
         else:
             assert o["layouts"] == ["flat"] * 10
             assert [kw for name, kw in o["calls"] if name == "ElasticBuffer"] == [dict(num_max_tokens_per_rank=16, hidden=256, num_topk=2)]

@@ -30,7 +30,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-from plinth.api import AllToAll, DispatchedTokens, SelectionContext
+from plinth.api import AllToAll, DispatchedTokens, PluginError, SelectionContext
 
 #: ep sizes the legacy normal kernels have a tuned Config for (Buffer.get_dispatch_config)
 LEGACY_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
@@ -157,7 +157,15 @@ class DeepEPAllToAll(AllToAll):
         weights = topk_weights.to(torch.float32)
         if self.generation == "v2":
             return self._dispatch_v2(x, idx, weights, decode, hidden.dtype)
-        if decode and x.shape[0] <= self.max_tokens:
+        if decode:
+            # every rank must take the same kernels or both sides wait forever:
+            # the engine agrees on `decode` across ranks, but token counts differ
+            # per rank, so a count over the cap is an error here, not a switch
+            if x.shape[0] > self.max_tokens:
+                raise PluginError(
+                    f"deepep: a decode step dispatches {x.shape[0]} tokens on this rank, more than "
+                    f"--deepep-max-tokens-per-rank {self.max_tokens}; set it to at least --max-num-seqs"
+                )
             buf = self._low_latency_buffer()
             recv, counts, handle, _event, _hook = buf.low_latency_dispatch(
                 x, idx, self.max_tokens, self.num_experts, use_fp8=self.use_fp8
