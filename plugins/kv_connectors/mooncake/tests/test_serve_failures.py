@@ -67,11 +67,12 @@ def test_store_down_at_start_killed_mid_stream_and_restarted(tiny_root, master_d
     # (pages computed while the store is down are not saved later: A's second prompt has a prefix of its own)
     first = [SHARED + [1, 2], _prefix(30) + [3, 4], _prefix(30) + [5, 6], SHARED + [7, 8]]
     stream = [_prefix(i) + [i] for i in range(8)]
-    after = [_prefix(50) + [1], _prefix(50) + [2]]
+    # after the restart: up to three fresh prefixes, each asked of A then of B
+    after = [(_prefix(50 + j) + [1], _prefix(50 + j) + [2]) for j in range(3)]
 
     ref = serve(model, str(tmp_path / "ref.log"))
     try:
-        want = {json.dumps(p): _complete(ref.url, p)[0] for p in first + stream + after}
+        want = {json.dumps(p): _complete(ref.url, p)[0] for p in first + stream + [q for pair in after for q in pair]}
     finally:
         ref.stop()
 
@@ -125,16 +126,23 @@ def test_store_down_at_start_killed_mid_stream_and_restarted(tiny_root, master_d
         m.start()
         for s in (a, b):
             _wait(lambda s=s: s.health()["status"] == "ok", 30, f"{s.url} recovered")
-        saved = metric(a.metrics(), "plinth:kv_connector_saved_pages_total")
-        text, _, _ = _complete(a.url, after[0])
-        assert text == want[json.dumps(after[0])]
-        _wait(
-            lambda: metric(a.metrics(), "plinth:kv_connector_saved_pages_total") >= saved + 6, 20,
-            lambda: f"A saved again ({ {k: v for k, v in a.metrics().items() if 'kv_connector' in k and 'latency' not in k} })",
-        )
-        text, cached, _ = _complete(b.url, after[1])
-        assert text == want[json.dumps(after[1])]
-        assert cached == 96
+        # saves are best effort: one made while the client is still re-mounting may be dropped (never
+        # wrong, only a later miss), so a fresh prefix is tried again, at most three, 10 s each
+        for j, (on_a, on_b) in enumerate(after):
+            saved = metric(a.metrics(), "plinth:kv_connector_saved_pages_total")
+            text, _, _ = _complete(a.url, on_a)
+            assert text == want[json.dumps(on_a)]
+            try:
+                _wait(lambda saved=saved: metric(a.metrics(), "plinth:kv_connector_saved_pages_total") >= saved + 6, 10, "A saved")
+            except AssertionError:
+                if j == len(after) - 1:
+                    counters = {k: v for k, v in a.metrics().items() if "kv_connector" in k and "latency" not in k}
+                    raise AssertionError(f"A never saved again after the restart ({counters})") from None
+                continue
+            text, cached, _ = _complete(b.url, on_b)
+            assert text == want[json.dumps(on_b)]
+            assert cached == 96
+            break
     finally:
         a.stop()
         b.stop()
