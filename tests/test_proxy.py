@@ -8,8 +8,8 @@ import json
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from plinth.server.proxy import Pool, build_proxy_app, prefill_body
 from kv_servers import free_port
+from plinth.server.proxy import Pool, build_proxy_app, prefill_body
 from server_fixtures import ServerThread
 
 

@@ -42,7 +42,16 @@ from plinth.hookspecs import (
     ToolParserDescriptor,
     hookimpl,
 )
-from plinth.parsing import INVALID, JsonCallView, held_back, is_json_object, json_value_end, read_json_arguments, read_json_call, skip_ws
+from plinth.parsing import (
+    INVALID,
+    JsonCallView,
+    held_back,
+    is_json_object,
+    json_value_end,
+    read_json_arguments,
+    read_json_call,
+    skip_ws,
+)
 from plinth.tokenizer import Tokenizer
 from plinth.weights import (
     GGUFFile,
@@ -51,7 +60,6 @@ from plinth.weights import (
     load_hf_config,
     safetensors_files,
 )
-
 
 
 def load_accelerator(name: str = "auto", options: dict | None = None) -> Accelerator:

@@ -52,14 +52,14 @@ from plinth.testing._report import ConformanceError, Report
 from plinth.testing.a2a import check_a2a
 from plinth.testing.accelerator import AcceleratorReport, check_accelerator
 from plinth.testing.backend import check_backend
-from plinth.testing.conformance import A2AConformance
-from plinth.testing.distributed import run_ranks
 from plinth.testing.conformance import (
+    A2AConformance,
     AcceleratorConformance,
     BackendConformance,
     KVConnectorConformance,
     PluginConformance,
 )
+from plinth.testing.distributed import run_ranks
 from plinth.testing.isolated import IsolatedEnv
 from plinth.testing.kv_connector import check_kv_connector
 from plinth.testing.registration import (

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from plinth.testing.accelerator import check_accelerator
 from plinth.testing.a2a import check_a2a
+from plinth.testing.accelerator import check_accelerator
 from plinth.testing.backend import check_backend
 from plinth.testing.kv_connector import check_kv_connector
 from plinth.testing.registration import check_cheap_import, check_registration, discover_all

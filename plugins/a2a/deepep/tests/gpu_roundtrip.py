@@ -20,9 +20,8 @@ def main() -> int:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    from plinth_plugin_deepep.a2a import DeepEPAllToAll
-
     import deep_ep
+    from plinth_plugin_deepep.a2a import DeepEPAllToAll
 
     experts, hidden, top_k, max_tokens = 32 * world, 7168, 8, 128
     reasons = DeepEPAllToAll.check(SelectionContext(ep=world))

@@ -25,7 +25,7 @@ def test_every_reason_on_a_cpu_machine():
 
 def test_options_are_checked():
     reasons = DeepEPAllToAll.check(SelectionContext(ep=3, options={"deepep_generation": "legacy"}))
-    assert any(f"not 3" in r and str(LEGACY_RANKS[:2]).rstrip(")") in r for r in reasons)
+    assert any("not 3" in r and str(LEGACY_RANKS[:2]).rstrip(")") in r for r in reasons)
     assert any("must be auto, legacy or v2" in r for r in DeepEPAllToAll.check(SelectionContext(options={"deepep_generation": "v3"})))
 
 

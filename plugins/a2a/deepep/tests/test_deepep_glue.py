@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
 from plinth.api import SelectionContext
 from plinth.testing import run_ranks
 from plinth.testing.a2a import _expected, _experts

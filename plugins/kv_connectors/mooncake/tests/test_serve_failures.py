@@ -111,7 +111,7 @@ def test_store_down_at_start_killed_mid_stream_and_restarted(tiny_root, master_d
         results = _stream(b.url, stream)
         killer.join()
         assert m.proc.poll() is not None
-        for p, (text, cached, took) in zip(stream, results):
+        for p, (text, _cached, took) in zip(stream, results):
             assert text == want[json.dumps(p)]
             assert took < normal + DEADLINE + 1.0, f"took {[round(r[2], 2) for r in results]}s (the same stream, store up: {normal:.2f}s)"
         # later requests, on both servers, still complete promptly
