@@ -133,6 +133,11 @@ def _check_device(report: AcceleratorReport, cls: type[Accelerator]) -> None:
     report.expect(not bad, "info().dtypes are torch dtype names", f"not torch dtypes: {bad}")
     report.expect(info.default_dtype in info.dtypes, "info().default_dtype is one of info().dtypes", f"{info.default_dtype!r} not in {info.dtypes}")
     report.expect(info.fp8 in FP8_MODES, f"info().fp8 is one of {FP8_MODES}", repr(info.fp8))
+    isa = getattr(info, "isa", ())
+    report.expect(
+        isinstance(isa, tuple) and all(isinstance(f, str) and f for f in isa),
+        "info().isa is a tuple of instruction-set names", repr(isa),
+    )
     report.expect(
         isinstance(info.preferred_backends, (tuple, list)) and all(isinstance(b, str) and b for b in info.preferred_backends),
         "info().preferred_backends are names",

@@ -149,9 +149,29 @@ def check_backend(
         ref, _ = resolve_ops(registry, references[0], ctx)
         mine = sorted(op for op, src in sources.items() if src == name)
         report.ok(f"{dtype_name}: provides {', '.join(mine)}")
+        _check_unsupported(report, entry.load(), ctx, set(mine), dtype_name)
         tol = TOLERANCE.get(dtype_name, 1e-2)
         _check_ops(report, ops, ref, set(mine), dtype, device, tol)
     return report.raise_for_problems()
+
+
+def _check_unsupported(report: Report, impl: Any, ctx: Any, mine: set[str], dtype_name: str) -> None:
+    """unsupported_ops(ctx) is {op: reason} and names no op the backend then provides."""
+    try:
+        limits = dict(impl.unsupported_ops(ctx))
+    except Exception as exc:
+        report.problem(f"unsupported_ops() raised {type(exc).__name__}: {exc}")
+        return
+    report.expect(
+        all(isinstance(op, str) and isinstance(why, str) and why for op, why in limits.items()),
+        f"{dtype_name}: unsupported_ops() maps op names to reasons", repr(limits),
+    )
+    report.expect(
+        not set(limits) & mine, f"{dtype_name}: no op it calls unsupported is taken from it",
+        ", ".join(sorted(set(limits) & mine)),
+    )
+    if limits:
+        report.ok(f"{dtype_name}: from the reference, with reasons: {', '.join(sorted(limits))}")
 
 
 def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, device: Any, tol: float) -> None:
