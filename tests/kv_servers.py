@@ -73,7 +73,7 @@ class Proc:
                 self.proc.wait(8)  # a mooncake client whose master is gone takes ~13 s to close
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(5)
+                self.proc.wait(60)  # reaping a killed server can be slow on a busy machine
         self._log.close()
 
 

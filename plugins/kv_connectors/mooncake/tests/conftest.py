@@ -60,7 +60,9 @@ class Master:
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+            # a killed master can take a while to be reaped while the kernel
+            # unmaps its segments (seen >10 s on a busy 2-core machine)
+            self.proc.wait(120)
 
 
 @pytest.fixture
