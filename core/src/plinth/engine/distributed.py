@@ -141,9 +141,8 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
     (the smallest any rank can hold)."""
     import torch.distributed as dist
 
-    from plinth.engine.model_runner import kv_page_bytes
     from plinth.engine.model_source import locate_model
-    from plinth.engine.startup import check_required_ops, choose_model_loader, resolve_dtype, resolve_ops
+    from plinth.engine.startup import check_required_ops, choose_model_loader, kv_pool_pages, resolve_dtype, resolve_ops
     from plinth.plugins import PluginRegistry
 
     layout = resolve_layout(config)
@@ -192,17 +191,9 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
         ep_rank=groups.ep_rank, ep_size=layout.ep, ep_group=groups.ep_group, a2a=a2a,
     )  # fmt: skip
     model = loader.load_model(source, model_cfg, load_ctx)
-    page_bytes = kv_page_bytes(model_cfg, config.page_size, dtype, layout.tp)
-    max_useful = -(-config.max_num_seqs * max_model_len // config.page_size) + 1
-    if config.num_pages:
-        num_pages = config.num_pages
-    else:
-        if config.kv_cache_memory is not None:
-            budget = int(config.kv_cache_memory * (1 << 30))
-        else:
-            free, total = accelerator.memory(local_rank)
-            budget = accelerator.kv_cache_budget(free=free, total=total, weights=model.weight_bytes())
-        num_pages = min(budget // page_bytes, max_useful)
+    num_pages, page_bytes, _ = kv_pool_pages(
+        config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len, tp=layout.tp, device_index=local_rank
+    )
     # the smallest pool any rank can hold (ranks of one node share its memory); after
     # loading, which may take any time: the long-timeout store, not a collective
     store.set(f"plinth/pages/{rank}", str(int(num_pages)))

@@ -144,6 +144,25 @@ def _hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
     return int.from_bytes(hashlib.blake2b(ident.encode(), digest_size=8).digest(), "little")
 
 
+def kv_pool_pages(
+    config: EngineConfig, accelerator: Any, model: Any, model_cfg: ModelConfig, dtype: torch.dtype, *,
+    max_model_len: int, tp: int | None = None, device_index: int = 0,
+) -> tuple[int, int, int | None]:
+    """(pages, bytes per page, memory budget or None) of one process's KV pool:
+    ``--num-pages``, else what the memory budget holds, never more pages than
+    every sequence at full length could use."""
+    page_bytes = kv_page_bytes(model_cfg, config.page_size, dtype, config.tp if tp is None else tp)
+    if config.num_pages:
+        return config.num_pages, page_bytes, None
+    if config.kv_cache_memory is not None:
+        budget = int(config.kv_cache_memory * (1 << 30))
+    else:
+        free, total = accelerator.memory(device_index)
+        budget = accelerator.kv_cache_budget(free=free, total=total, weights=model.weight_bytes())
+    max_useful = -(-config.max_num_seqs * max_model_len // config.page_size) + 1
+    return min(budget // page_bytes, max_useful), page_bytes, budget
+
+
 def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> LLMEngine:
     if config.ep != 1:  # the a2a plugin validates before anything loads: a named one fails with its reasons
         registry = registry or PluginRegistry.discover()
@@ -185,22 +204,9 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     tokenizer = loader.load_tokenizer(source)
     load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress)
     model = loader.load_model(source, model_cfg, load_ctx)
-    weight_bytes = model.weight_bytes()
-
-    page_bytes = kv_page_bytes(model_cfg, config.page_size, dtype, config.tp)
-    # never more pages than every sequence at full length could use
-    max_useful = -(-config.max_num_seqs * max_model_len // config.page_size) + 1
-    if config.num_pages:
-        num_pages = config.num_pages
-    else:
-        if config.kv_cache_memory is not None:
-            budget = int(config.kv_cache_memory * (1 << 30))
-        else:
-            free, total = accelerator.memory(0)
-            budget = accelerator.kv_cache_budget(free=free, total=total, weights=weight_bytes)
-        num_pages = min(budget // page_bytes, max_useful)
-        if num_pages < 1:
-            raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, one page takes {page_bytes})")
+    num_pages, page_bytes, budget = kv_pool_pages(config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len)
+    if num_pages < 1:
+        raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, one page takes {page_bytes})")
     log.info(
         "KV cache: %d pages x %d tokens (%.2f GiB, %s)",
         num_pages, config.page_size, num_pages * page_bytes / (1 << 30), str(dtype).removeprefix("torch."),
