@@ -1,6 +1,7 @@
 """The C++ paged-decode kernel against the reference backend's attention, on
 the same pages: decode batches of mixed lengths, GQA/MQA, sliding windows,
-odd page sizes, bfloat16 and float32; mixed batches go to the reference."""
+odd page sizes, bfloat16 and float32; short multi-token queries (speculative
+scoring) per token through the kernel; long prefill chunks to the reference."""
 
 import pytest
 import torch
@@ -76,10 +77,47 @@ def test_decode_kernel_matches_reference(ops, dtype, page_size, heads, window):
         torch.testing.assert_close(a, b)
 
 
-def test_mixed_batches_take_the_reference_path(ops):
+def test_long_prefill_chunks_take_the_reference_path(ops):
     reference, table = ops
     kw = dict(page_size=16, num_kv=3, dim=64, dtype=torch.float32, window=None, fill_seed=3)
-    meta, q, k, v, n = _batch([5, 1, 1], [40, 20, 9], page_size=16, num_kv=3, num_heads=9, dim=64, dtype=torch.float32, seed=4)
+    meta, q, k, v, n = _batch([40, 1, 1], [40, 20, 9], page_size=16, num_kv=3, num_heads=9, dim=64, dtype=torch.float32, seed=4)
     ours, _ = _run(table, meta, q, k, v, n, **kw)
     ref, _ = _run(reference, meta, q, k, v, n, **kw)
     torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, 7])
+@pytest.mark.parametrize("window", [None, 5])
+def test_short_queries_run_per_token_through_the_kernel(ops, dtype, page_size, window):
+    """A decode scoring speculative proposals (1 + k query tokens, next to
+    plain decodes and a short prefill) is causal per token and goes to the
+    kernel, one row per query token, never to the reference."""
+    reference, _ = ops
+    from plinth_plugin_cpukernels.attention import make_attention_ops
+    from plinth_plugin_cpukernels.backend import accelerator_isa
+    from plinth_plugin_cpukernels.kernels import load_kernels
+
+    kernels = load_kernels(accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu"))))
+    rows, ref_calls = [], []
+
+    class CountingKernels:
+        def paged_decode_attention(self, q, *args):
+            rows.append(q.shape[0])
+            return kernels.paged_decode_attention(q, *args)
+
+    def counting_reference(*args, **kw):
+        ref_calls.append(1)
+        return reference["attention"](*args, **kw)
+
+    counted = make_attention_ops(CountingKernels(), {**reference, "attention": counting_reference})
+    query_lens, seq_lens = [5, 1, 3, 1, 4], [40, 20, 9, 3, 4]
+    meta, q, k, v, n = _batch(query_lens, seq_lens, page_size=page_size, num_kv=3, num_heads=9, dim=64, dtype=dtype, seed=5)
+    kw = dict(page_size=page_size, num_kv=3, dim=64, dtype=dtype, window=window, fill_seed=6)
+    ours, our_cache = _run(counted, meta, q, k, v, n, **kw)
+    ref, ref_cache = _run(reference, meta, q, k, v, n, **kw)
+    assert rows == [sum(query_lens)] and not ref_calls
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ours.float(), ref.float(), **tol)
+    for a, b in zip(our_cache, ref_cache):
+        torch.testing.assert_close(a, b)
