@@ -411,6 +411,16 @@ class AttentionOp(Protocol):
         causally over each sequence's pages."""
 
 
+class QKVAttentionOp(Protocol):
+    def __call__(self, qkv: "torch.Tensor", positions: "torch.Tensor", cos_sin: "torch.Tensor", is_neox: bool, kv_cache: "tuple[Any, Any]", meta: "AttentionMetadata", *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None) -> "torch.Tensor":
+        """Optional, a fusion: a layer's attention block from its fused
+        projection qkv [T, (Hq + 2 Hkv) * D] (q heads, then k, then v):
+        ``rotary`` on q and k, then ``attention``; returns [T, Hq * D]. The
+        same numbers as those ops; a model calls it when the table has it and
+        nothing comes between the projection and the rotation (per-head q/k
+        norms), and composes the two ops otherwise."""
+
+
 class CopyPagesOp(Protocol):
     def __call__(self, kv_caches: Sequence[Any], src: "torch.Tensor", dst: "torch.Tensor") -> None:
         """Copy whole pages src[i] -> dst[i] (int64 CPU tensors) in every
@@ -440,6 +450,7 @@ OP_SIGNATURES: dict[str, type] = {
     "prepare_attention": PrepareAttentionOp,
     "attention": AttentionOp,
     "copy_pages": CopyPagesOp,
+    "qkv_attention": QKVAttentionOp,
     "fused_moe": FusedMoEOp,
 }
 OP_NAMES: tuple[str, ...] = tuple(OP_SIGNATURES)

@@ -68,6 +68,9 @@ class Components:
 #: ops that only work together (a weight or KV layout they share): taken
 #: from one backend, all or none
 OP_GROUPS = (("pack_linear", "linear"), ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages"))
+#: fused ops that read what another op lays out (the KV pages): a backend
+#: brings them only together with those
+OP_REQUIRES = {"qkv_attention": ("allocate_kv_cache", "attention")}
 
 
 def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[Any, dict[str, str]]:
@@ -91,6 +94,9 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
         given = [op for op in group if op in ops]
         if given and len(given) != len(group):
             raise PluginError(f"backend {chosen.label()} must provide {', '.join(group)} together")
+    for op, needs in OP_REQUIRES.items():
+        if op in ops and not all(n in ops for n in needs):
+            raise PluginError(f"backend {chosen.label()} provides {op} and must then provide {', '.join(needs)} too (their KV layout)")
     table.update(ops)
     sources.update({name: chosen.name for name in ops})
     missing = [op for op in OP_NAMES if op not in table]
@@ -292,7 +298,7 @@ def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: Sele
     ``ProposerContext`` (a named plugin fails with every candidate's reasons)."""
     import dataclasses
 
-    from plinth.engine.speculative import SpecDecoder
+    from plinth.engine.speculative import SpecDecoder, StepCostModel
     from plinth.hookspecs import ProposerContext
 
     k = config.num_speculative_tokens or 4
@@ -308,4 +314,4 @@ def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: Sele
     entry = registry.select("proposer", config.speculative_method, sctx)
     proposer = entry.load()(sctx)
     log.info("speculative decoding: %s, k = %d", entry.label(), k)
-    return SpecDecoder(proposer, k, vocab_size=model_cfg.vocab_size, method=entry.name)
+    return SpecDecoder(proposer, k, vocab_size=model_cfg.vocab_size, method=entry.name, cost_model=StepCostModel())

@@ -70,6 +70,7 @@ class CPUKernelsBackend(Backend):
 
         from plinth_plugin_cpukernels.attention import make_attention_ops
         from plinth_plugin_cpukernels.elementwise import make_elementwise_ops
+        from plinth_plugin_cpukernels.fused import make_fused_ops
         from plinth_plugin_cpukernels.kernels import load_kernels
 
         isa = accelerator_isa(self.ctx)
@@ -94,4 +95,6 @@ class CPUKernelsBackend(Backend):
             ops.update(make_attention_ops(kernels, self.reference))
         if all(op in self.reference for op in ("rms_norm", "silu_and_mul", "rotary")):
             ops.update(make_elementwise_ops(kernels, self.reference))
+        if "attention" in ops and "rotary" in ops:
+            ops.update(make_fused_ops(kernels, ops))
         return ops

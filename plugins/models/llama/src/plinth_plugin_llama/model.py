@@ -68,11 +68,13 @@ class LlamaForCausalLM(torch.nn.Module):
         self.scale = arch.head_dim**-0.5
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
+        #: the backend's fused attention block, when it offers one (looked up once)
+        self.qkv_attention = getattr(ops, "qkv_attention", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[Any], meta: AttentionMetadata) -> torch.Tensor:
         ops = self.ops
         rms_norm, linear, rotary, attention, silu_and_mul = ops.rms_norm, ops.linear, ops.rotary, ops.attention, ops.silu_and_mul
-        eps, scale, cos_sin = self.eps, self.scale, self.cos_sin
+        eps, scale, cos_sin, qkv_attention = self.eps, self.scale, self.cos_sin, self.qkv_attention
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.arch.head_dim
         q_size, kv_size = self.q_size, self.kv_size
         num_tokens = input_ids.shape[0]
@@ -89,15 +91,21 @@ class LlamaForCausalLM(torch.nn.Module):
             else:
                 x, residual = rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = q.view(num_tokens, num_heads, head_dim)
-            k = k.view(num_tokens, num_kv_heads, head_dim)
-            v = v.view(num_tokens, num_kv_heads, head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, eps)
-                k = rms_norm(k, layer.k_norm, eps)
-            q, k = rotary(q, k, positions, cos_sin, True)
-            out = attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=layer.sliding_window)
+            if qkv_attention is not None and layer.q_norm is None:
+                out = qkv_attention(
+                    qkv, positions, cos_sin, True, kv_cache, meta, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, scale=scale, sliding_window=layer.sliding_window,
+                )
+            else:
+                q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+                q = q.view(num_tokens, num_heads, head_dim)
+                k = k.view(num_tokens, num_kv_heads, head_dim)
+                v = v.view(num_tokens, num_kv_heads, head_dim)
+                if layer.q_norm is not None:
+                    q = rms_norm(q, layer.q_norm, eps)
+                    k = rms_norm(k, layer.k_norm, eps)
+                q, k = rotary(q, k, positions, cos_sin, True)
+                out = attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=layer.sliding_window)
             hidden = linear(out.reshape(num_tokens, q_size), layer.o_proj, layer.o_bias)
             if tp:
                 hidden = all_reduce(hidden)

@@ -86,7 +86,91 @@ inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / st
 // q [B, Hq, D]; pages [Hkv, N, page_size, D] (V: Dv); block_tables [B, max_pages]
 // int32; seq_lens [B] int32. For each (sequence, KV head): scores of the group's
 // query heads over the context read straight from the pages, softmax, weighted
-// sum of V. Every K and V row is read once; nothing is padded.
+// sum of V. Every K and V row is read once; nothing is padded. The queries come
+// in as float32, already scaled (the fused op below rotates them straight
+// into that buffer).
+namespace {
+
+template <typename T>
+void decode_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, const int32_t* tables,
+                           const int32_t* lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t N,
+                           int64_t ps, int64_t max_pages, int64_t window) {
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(G * Dv), row(std::max(D, Dv));
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / Hkv, h = idx % Hkv;
+      const int64_t L = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      const int64_t n = L - start;
+      const int32_t* table = tables + b * max_pages;
+      const float* qf = qf_all + (b * Hq + h * G) * D;
+      scores.resize(G * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = start + t;
+        const T* k = kp + ((h * N + table[pos / ps]) * ps + pos % ps) * D;
+        float* r = row.data();
+        for (int64_t d = 0; d < D; ++d) r[d] = Elem<T>::load(k + d);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf + g * D;
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
+          scores[g * n + t] = s;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          sg[t] = fast_exp(sg[t] - m);
+          sum += sg[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = start + t;
+        const T* v = vp + ((h * N + table[pos / ps]) * ps + pos % ps) * Dv;
+        float* r = row.data();
+        for (int64_t d = 0; d < Dv; ++d) r[d] = Elem<T>::load(v + d);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * n + t];
+          float* a = acc.data() + g * Dv;
+          for (int64_t d = 0; d < Dv; ++d) a[d] += p * r[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(op + (b * Hq + h * G + g) * Dv + d, acc[g * Dv + d]);
+    }
+  });
+}
+
+// one head's rotary: x (D features, unit stride) -> y; the first R rotate
+template <typename X, typename Y>
+inline void rotate_head(const X* x, Y* y, const float* c, int64_t half, int64_t R, int64_t D, bool is_neox,
+                        float mul) {
+  const float* s = c + half;
+  if (is_neox) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = Elem<X>::load(x + i), b = Elem<X>::load(x + i + half);
+      Elem<Y>::store(y + i, Elem<X>::round(a * c[i] - b * s[i]) * mul);
+      Elem<Y>::store(y + i + half, Elem<X>::round(b * c[i] + a * s[i]) * mul);
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = Elem<X>::load(x + 2 * i), b = Elem<X>::load(x + 2 * i + 1);
+      Elem<Y>::store(y + 2 * i, Elem<X>::round(a * c[i] - b * s[i]) * mul);
+      Elem<Y>::store(y + 2 * i + 1, Elem<X>::round(b * c[i] + a * s[i]) * mul);
+    }
+  }
+  for (int64_t i = R; i < D; ++i) Elem<Y>::store(y + i, Elem<X>::load(x + i) * mul);
+}
+
+}  // namespace
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale_d,
                                      int64_t window) {
@@ -94,71 +178,68 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pages, tor
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_pages.size(0), N = k_pages.size(1), ps = k_pages.size(2), Dv = v_pages.size(3);
-  const int64_t G = Hq / Hkv;
   auto tables_t = block_tables.contiguous();
   auto lens_t = seq_lens.contiguous();
-  const int32_t* tables = tables_t.data_ptr<int32_t>();
-  const int32_t* lens = lens_t.data_ptr<int32_t>();
-  const int64_t max_pages = tables_t.size(1);
-  const float scale = static_cast<float>(scale_d);
   auto out = torch::empty({B, Hq, Dv}, q.options());
+  auto qf = (q.to(torch::kFloat32) * scale_d).contiguous();
   dispatch(q, [&](auto tag) {
     using T = decltype(tag);
-    const T* qp = cptr<T>(q);
-    const T* kp = cptr<T>(k_pages);
-    const T* vp = cptr<T>(v_pages);
-    T* op = ptr<T>(out);
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(G * D), scores, acc(G * Dv), row(std::max(D, Dv));
-      for (int64_t idx = begin; idx < end; ++idx) {
-        const int64_t b = idx / Hkv, h = idx % Hkv;
-        const int64_t L = lens[b];
-        const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-        const int64_t n = L - start;
-        const int32_t* table = tables + b * max_pages;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = Elem<T>::load(qp + (b * Hq + h * G + g) * D + d) * scale;
-        scores.resize(G * n);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t pos = start + t;
-          const T* k = kp + ((h * N + table[pos / ps]) * ps + pos % ps) * D;
-          float* r = row.data();
-          for (int64_t d = 0; d < D; ++d) r[d] = Elem<T>::load(k + d);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            float s = 0.f;
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
-            scores[g * n + t] = s;
-          }
+    decode_attention_impl<T>(qf.data_ptr<float>(), cptr<T>(k_pages), cptr<T>(v_pages), ptr<T>(out),
+                             tables_t.data_ptr<int32_t>(), lens_t.data_ptr<int32_t>(), B, Hq, Hkv, D, Dv, N, ps,
+                             tables_t.size(1), window);
+  });
+  return out;
+}
+
+// ---- a decode step's attention block from the fused q/k/v projection --------------------
+// qkv [B, (Hq + 2 Hkv) * D] (one token per sequence); rotates q and k (positions
+// [B] int64, cos_sin [max_pos, R] float32), writes k and v into the pages at
+// slots [B] int64, then attends as paged_decode_attention. Returns [B, Hq * D].
+// One call for what is otherwise a split, two rotary calls, two page writes and
+// the attention (the rounding of q and k to the activation dtype is kept, so
+// the result equals the unfused ops').
+torch::Tensor decode_qkv_attention(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_sin, bool is_neox,
+                                   torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor slots,
+                                   torch::Tensor block_tables, torch::Tensor seq_lens, int64_t Hq, double scale_d,
+                                   int64_t window) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_pages.is_contiguous() && v_pages.is_contiguous());
+  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32);
+  TORCH_CHECK(k_pages.scalar_type() == qkv.scalar_type() && v_pages.scalar_type() == qkv.scalar_type());
+  const int64_t B = qkv.size(0), Hkv = k_pages.size(0), N = k_pages.size(1), ps = k_pages.size(2),
+                D = k_pages.size(3);
+  TORCH_CHECK(v_pages.size(3) == D && qkv.size(1) == (Hq + 2 * Hkv) * D, "cpukernels: qkv is not [B, (Hq + 2 Hkv) * D]");
+  const int64_t R = cos_sin.size(1), half = R / 2, row_stride = qkv.stride(0);
+  auto pos_t = positions.to(torch::kInt64).contiguous();
+  auto slots_t = slots.to(torch::kInt64).contiguous();
+  auto tables_t = block_tables.contiguous();
+  auto lens_t = seq_lens.contiguous();
+  const int64_t* pos = pos_t.data_ptr<int64_t>();
+  const int64_t* slot = slots_t.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  const float scale = static_cast<float>(scale_d);
+  auto qf = torch::empty({B, Hq, D}, qkv.options().dtype(torch::kFloat32));
+  auto out = torch::empty({B, Hq * D}, qkv.options());
+  dispatch(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = cptr<T>(qkv);
+    T* kp = ptr<T>(k_pages);
+    T* vp = ptr<T>(v_pages);
+    float* qfp = qf.data_ptr<float>();
+    at::parallel_for(0, B, grain((Hq + 2 * Hkv) * D), [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const T* row = xp + b * row_stride;
+        const float* c = table + pos[b] * R;
+        const int64_t page = slot[b] / ps, off = slot[b] % ps;
+        for (int64_t h = 0; h < Hq; ++h) rotate_head<T, float>(row + h * D, qfp + (b * Hq + h) * D, c, half, R, D, is_neox, scale);
+        for (int64_t h = 0; h < Hkv; ++h) {
+          rotate_head<T, T>(row + (Hq + h) * D, kp + ((h * N + page) * ps + off) * D, c, half, R, D, is_neox, 1.f);
+          std::memcpy(vp + ((h * N + page) * ps + off) * D, row + (Hq + Hkv + h) * D, D * sizeof(T));
         }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * n;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
-          float sum = 0.f;
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = fast_exp(sg[t] - m);
-            sum += sg[t];
-          }
-          const float inv = 1.f / sum;
-          for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t pos = start + t;
-          const T* v = vp + ((h * N + table[pos / ps]) * ps + pos % ps) * Dv;
-          float* r = row.data();
-          for (int64_t d = 0; d < Dv; ++d) r[d] = Elem<T>::load(v + d);
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * n + t];
-            float* a = acc.data() + g * Dv;
-            for (int64_t d = 0; d < Dv; ++d) a[d] += p * r[d];
-          }
-        }
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(op + (b * Hq + h * G + g) * Dv + d, acc[g * Dv + d]);
       }
     });
+    decode_attention_impl<T>(qfp, kp, vp, ptr<T>(out), tables_t.data_ptr<int32_t>(), lens_t.data_ptr<int32_t>(), B, Hq,
+                             Hkv, D, D, N, ps, tables_t.size(1), window);
   });
   return out;
 }

@@ -1,0 +1,109 @@
+"""The fused ``qkv_attention`` op against the reference backend's rotary and
+attention on the same pages: decode batches (the C++ kernel), a mixed batch
+(this backend's own ops), GQA/MHA, both rotary styles, partial rotary, page
+sizes 16 and 7, bfloat16 and float32; and the llama model uses it."""
+
+import pytest
+import torch
+from plinth.api import AttentionMetadata, SelectionContext, load_accelerator
+from plinth_plugin_cpukernels.backend import CPUKernelsBackend
+from plinth_plugin_torch.backend import TorchBackend
+
+
+@pytest.fixture(scope="module")
+def ops():
+    reference = dict(TorchBackend(SelectionContext()).ops())
+    table = dict(reference)
+    table.update(CPUKernelsBackend(SelectionContext(accelerator=load_accelerator("cpu")), reference).ops())
+    return reference, table
+
+
+def _meta(query_lens, seq_lens, page_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [-(-s // page_size) for s in seq_lens]
+    num_pages = sum(pages_per) + 2
+    order = torch.randperm(num_pages, generator=g).tolist()
+    tables = torch.zeros(len(seq_lens), max(pages_per), dtype=torch.int32)
+    positions, slots = [], []
+    for i, (n, s) in enumerate(zip(query_lens, seq_lens)):
+        pages = [order.pop() for _ in range(pages_per[i])]
+        tables[i, : len(pages)] = torch.tensor(pages)
+        for pos in range(s - n, s):
+            positions.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        positions=torch.tensor(positions), slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, page_size=page_size,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
+    )
+    return meta, num_pages
+
+
+def _composed(table, qkv, positions, cos_sin, is_neox, cache, meta, *, num_heads, num_kv_heads, head_dim, scale, sliding_window):
+    t = qkv.shape[0]
+    q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=-1)
+    q, k = table["rotary"](q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), positions, cos_sin, is_neox)
+    out = table["attention"](q, k, v.view(t, num_kv_heads, head_dim), cache, meta, scale=scale, sliding_window=sliding_window)
+    return out.reshape(t, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, 7])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa3", "mha"])
+@pytest.mark.parametrize("is_neox,rotary_dim", [(True, 64), (False, 64), (True, 32)], ids=["neox", "gptj", "partial"])
+@pytest.mark.parametrize("query_lens", [[1] * 6, [1, 5, 1, 1, 3, 1]], ids=["decode", "mixed"])
+def test_fused_equals_rotary_then_attention(ops, dtype, page_size, heads, is_neox, rotary_dim, query_lens):
+    reference, table = ops
+    num_heads, num_kv = heads
+    dim = 64
+    seq_lens = [1, 9, 17, 40, 70, 33]
+    meta, num_pages = _meta(query_lens, seq_lens, page_size, seed=3)
+    g = torch.Generator().manual_seed(4)
+    t = sum(query_lens)
+    qkv = torch.randn(t, (num_heads + 2 * num_kv) * dim, generator=g).to(dtype)
+    angles = torch.rand(128, rotary_dim // 2, generator=g) * 6.28
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1)
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv, head_dim=dim, scale=dim**-0.5, sliding_window=None)
+    outs, caches = [], []
+    for which in ("fused", "reference"):
+        ops_ = table if which == "fused" else reference
+        cache = ops_["allocate_kv_cache"](
+            num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype,
+            device=torch.device("cpu"),
+        )
+        gen = torch.Generator().manual_seed(5)
+        for pages in cache:
+            pages.copy_(torch.randn(pages.shape, generator=gen).to(dtype))
+        ops_["prepare_attention"](meta)
+        if which == "fused":
+            outs.append(table["qkv_attention"](qkv, meta.positions, cos_sin, is_neox, cache, meta, **kw))
+        else:
+            outs.append(_composed(reference, qkv, meta.positions, cos_sin, is_neox, cache, meta, **kw))
+        caches.append(cache)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), **tol)
+    for a, b in zip(*caches):  # k rotated and v copied into the same slots, rounded the same way
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def test_a_backend_bringing_the_fused_op_must_bring_its_kv_layout():
+    from types import SimpleNamespace
+
+    from plinth.api import Backend, PluginError
+    from plinth.engine.startup import resolve_ops
+
+    class Partial(Backend):
+        @classmethod
+        def check(cls, ctx):
+            return []
+
+        def ops(self):
+            return {"qkv_attention": lambda *a, **k: None}
+
+    chosen = SimpleNamespace(load=lambda: Partial, label=lambda: "partial", name="partial", descriptor=SimpleNamespace(reference=False))
+    registry = SimpleNamespace(entries={"backend": []})
+    with pytest.raises(PluginError, match="qkv_attention"):
+        resolve_ops(registry, chosen, SelectionContext())
