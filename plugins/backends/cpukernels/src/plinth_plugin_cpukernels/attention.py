@@ -22,7 +22,8 @@ from plinth.api import PluginError
 #: longest query the kernel takes as one row per token; longer ones are
 #: prefill chunks, which the reference's matmuls do better
 MAX_KERNEL_QUERY_LEN = 16
-_PER_TOKEN = "cpukernels.per_token"
+#: per-token block tables and lengths, when a step has short multi-token queries
+PER_TOKEN_STATE = "cpukernels.per_token"
 
 
 def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
@@ -40,7 +41,7 @@ def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]]
             # own position: a decode row with s's block table and length pos + 1
             lens = torch.tensor(meta.query_lens_cpu, dtype=torch.long, device=meta.block_tables.device)
             seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
-            meta.backend_state[_PER_TOKEN] = (
+            meta.backend_state[PER_TOKEN_STATE] = (
                 meta.block_tables.index_select(0, seq_of_token).contiguous(),
                 (meta.positions + 1).to(torch.int32),
             )
@@ -58,7 +59,7 @@ def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]]
         return k, v
 
     def attention(q, k, v, kv_cache, meta, *, scale, sliding_window=None, logit_cap=None):
-        per_token = meta.backend_state.get(_PER_TOKEN)
+        per_token = meta.backend_state.get(PER_TOKEN_STATE)
         if (meta.max_query_len != 1 and per_token is None) or logit_cap is not None or q.dtype not in (torch.bfloat16, torch.float32):
             return ref_attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=sliding_window, logit_cap=logit_cap)
         k_pages, v_pages = kv_cache
