@@ -1,14 +1,20 @@
 """The cpukernels backend: what it does better than the reference, per op,
-decided from the instruction sets the accelerator reports."""
+decided from the instruction sets the accelerator reports.
+
+Besides the contract's ops it offers one of its own, ``gguf_formats() ->
+(formats, path)``: the GGUF types whose ``QuantizedWeight`` (format
+``gguf_<type>``) ``pack_linear`` keeps in their blocks, and how ``linear``
+runs them (quant.py). Model loaders that find it keep GGUF weights quantized."""
 
 from __future__ import annotations
 
 import importlib.util
 from typing import Any, Callable, Mapping
 
-from plinth.api import Backend, PluginError, SelectionContext
+from plinth.api import Backend, PluginError, QuantizedWeight, SelectionContext
 
 from plinth_plugin_cpukernels.gemm import DTYPE_NAMES, PackedLinear, make_linear, pack_linear
+from plinth_plugin_cpukernels.quant import GGUF_FORMATS, GGUFLinear, GGUFOps, format_name, gguf_kernel_path
 
 #: oneDNN runs bfloat16 GEMMs only with one of these (torch checks the same
 #: before its bf16 path and raises otherwise): AVX-512 BW+VL+DQ, AVX-NE-CONVERT
@@ -83,11 +89,23 @@ class CPUKernelsBackend(Backend):
             ref_pack = self.reference.get("pack_linear", lambda w: w)
             ref_linear = self.reference.get("linear", F.linear)
 
+            bf16_gemm = bf16_gemm_missing(isa) is None
+            dense_linear = make_linear(ref_linear)
+            gguf = GGUFOps(isa, bf16_gemm)
+
             def pack(weight: Any) -> Any:
-                packed = pack_linear(weight, bf16=bf16_gemm_missing(isa) is None)
+                if isinstance(weight, QuantizedWeight) and format_name(weight.format):
+                    return gguf.pack(weight)
+                packed = pack_linear(weight, bf16=bf16_gemm)
                 return packed if type(packed) is PackedLinear else ref_pack(weight)
 
-            ops.update({"pack_linear": pack, "linear": make_linear(ref_linear)})
+            def linear(x: Any, weight: Any, bias: Any = None) -> Any:
+                if type(weight) is GGUFLinear:
+                    return gguf.linear(x, weight, bias)
+                return dense_linear(x, weight, bias)
+
+            path = f"integer dot products on the blocks, {gguf_kernel_path(isa)}"
+            ops.update({"pack_linear": pack, "linear": linear, "gguf_formats": lambda: (tuple(GGUF_FORMATS), path)})
         kernels = load_kernels(isa)
         # the decode kernel reads the reference's KV layout and hands it what
         # it does not handle; without the reference's attention ops, none

@@ -53,12 +53,12 @@ def isa_cflags(isa: Iterable[str], machine: str | None = None) -> list[str]:
     return []
 
 
-def build_name(isa: Iterable[str]) -> str:
+def build_name(isa: Iterable[str], source: Path = SOURCE, prefix: str = "plinth_cpukernels") -> str:
     import torch
 
     flags = BASE_CFLAGS + isa_cflags(isa)
-    key = "|".join([SOURCE.read_text(), " ".join(flags), platform.machine(), torch.__version__])
-    return f"plinth_cpukernels_{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
+    key = "|".join([source.read_text(), " ".join(flags), platform.machine(), torch.__version__])
+    return f"{prefix}_{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 
 def compiler_missing() -> str | None:
@@ -73,8 +73,14 @@ def compiler_missing() -> str | None:
 
 def load_kernels(isa: Iterable[str], verbose: bool = False) -> Any:
     """The compiled kernel module for these extensions (built once per set and source)."""
+    return load_extension(SOURCE, FUNCTIONS, isa, verbose=verbose)
+
+
+def load_extension(source: Path, functions: list[str], isa: Iterable[str], *, prefix: str = "plinth_cpukernels", verbose: bool = False) -> Any:
+    """One C++ source built as its own extension for these extensions, keyed
+    by the source, the flags and torch (built once per key)."""
     isa = tuple(sorted(set(isa)))
-    name = build_name(isa)
+    name = build_name(isa, source, prefix)
     if name not in _kernels:
         from torch.utils.cpp_extension import load_inline
 
@@ -82,8 +88,8 @@ def load_kernels(isa: Iterable[str], verbose: bool = False) -> Any:
         try:
             _kernels[name] = load_inline(
                 name=name,
-                cpp_sources=[SOURCE.read_text()],
-                functions=FUNCTIONS,
+                cpp_sources=[source.read_text()],
+                functions=functions,
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 verbose=verbose,

@@ -1,0 +1,155 @@
+"""Linear layers on GGUF weights kept in their quantized blocks (csrc/quant_ops.cpp).
+
+``pack`` turns a ``QuantizedWeight`` of format ``gguf_<type>`` (its qweight the
+file's rows of blocks, uint8 [out, in / block * bytes]) into a ``GGUFLinear``;
+``linear`` then runs, by the number of activation rows M:
+
+* M < ``GEMM_MIN_ROWS``: the integer kernel (activations quantized to int8 per
+  block, integer dot products with the weight blocks), reading the weights
+  once at their quantized size: decode and small batches;
+* otherwise (prefill): a tile of weight rows at a time dequantized by the C++
+  kernel into a bfloat16 (or float32) scratch and multiplied by oneDNN's GEMM,
+  so prefill runs at matmul speed. The crossover was measured on this
+  project's 2-core AVX-512 machine (bench/gguf_quant.py --crossover).
+
+torch is imported inside functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_ops.cpp"
+FUNCTIONS = ["gguf_linear", "gguf_dequantize", "gguf_kernel_path"]
+
+#: GGUF type name -> (the kernels' format code, weights per block, bytes per block)
+GGUF_FORMATS = {
+    "Q4_0": (0, 32, 18),
+    "Q4_1": (1, 32, 20),
+    "Q8_0": (2, 32, 34),
+    "Q4_K": (3, 256, 144),
+    "Q5_K": (4, 256, 176),
+    "Q6_K": (5, 256, 210),
+}
+#: activation rows from which linear dequantizes a tile and runs a GEMM
+GEMM_MIN_ROWS = 32
+#: bytes of dequantized weights per GEMM tile (stays in L2/L3)
+GEMM_TILE_BYTES = 4 << 20
+
+
+def load_quant_kernels(isa: Iterable[str], verbose: bool = False) -> Any:
+    """The compiled GGUF kernels for these instruction sets (their own extension)."""
+    from plinth_plugin_cpukernels.kernels import load_extension
+
+    return load_extension(SOURCE, FUNCTIONS, isa, prefix="plinth_cpukernels_quant", verbose=verbose)
+
+
+def format_name(fmt: str) -> str | None:
+    """``gguf_q4_1`` -> ``Q4_1`` when it is a format these kernels run, else None."""
+    if not fmt.startswith("gguf_"):
+        return None
+    name = fmt.removeprefix("gguf_").upper()
+    return name if name in GGUF_FORMATS else None
+
+
+class GGUFLinear:
+    """A GGUF weight in its file blocks, with what linear needs to know."""
+
+    __slots__ = ("blocks", "code", "type_name", "out_features", "in_features")
+
+    def __init__(self, blocks: Any, type_name: str, shape: tuple[int, int]) -> None:
+        import torch
+
+        code, block, nbytes = GGUF_FORMATS[type_name]
+        n, k = int(shape[0]), int(shape[1])
+        if k % block or tuple(blocks.shape) != (n, k // block * nbytes) or blocks.dtype != torch.uint8:
+            raise ValueError(f"GGUF {type_name} weight of shape {(n, k)}: blocks must be uint8 [{n}, {k // block * nbytes}], got {blocks.dtype} {tuple(blocks.shape)}")
+        self.blocks = blocks.contiguous()
+        self.code = code
+        self.type_name = type_name
+        self.out_features, self.in_features = n, k
+
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self, kernels: Any, bf16: bool, rows: tuple[int, int] | None = None) -> Any:
+        begin, end = rows or (0, self.out_features)
+        return kernels.gguf_dequantize(self.blocks, self.code, self.in_features, begin, end, bf16)
+
+
+def pack(weight: Any) -> GGUFLinear | None:
+    """A GGUFLinear for a ``QuantizedWeight`` of a GGUF format these kernels run, else None."""
+    type_name = format_name(str(getattr(weight, "format", "")))
+    if type_name is None:
+        return None
+    return GGUFLinear(weight.qweight, type_name, weight.shape)
+
+
+def make_gguf_linear(kernels: Any, *, bf16_gemm: bool, gemm_min_rows: int = GEMM_MIN_ROWS) -> Callable[..., Any]:
+    """linear(x, w: GGUFLinear, bias) -> x @ w.T (+ bias) in x's dtype."""
+    import torch
+
+    gguf_linear, gguf_dequantize = kernels.gguf_linear, kernels.gguf_dequantize
+
+    def linear(x: Any, w: GGUFLinear, bias: Any = None) -> Any:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()
+        m = x2.shape[0]
+        if m < gemm_min_rows:
+            y = gguf_linear(x2, w.blocks, w.code)
+        else:
+            # prefill: dequantize a tile of rows, GEMM; bf16 where oneDNN runs it natively
+            bf16 = bf16_gemm and x2.dtype == torch.bfloat16
+            xg = x2 if bf16 or x2.dtype == torch.float32 else x2.float()
+            n, k = w.out_features, w.in_features
+            tile = max(1, GEMM_TILE_BYTES // (k * (2 if bf16 else 4)))
+            if tile >= n:
+                y = torch.mm(xg, gguf_dequantize(w.blocks, w.code, k, 0, n, bf16).t())
+            else:
+                y = torch.empty(m, n, dtype=xg.dtype)
+                for n0 in range(0, n, tile):
+                    n1 = min(n, n0 + tile)
+                    y[:, n0:n1] = torch.mm(xg, gguf_dequantize(w.blocks, w.code, k, n0, n1, bf16).t())
+            y = y.to(x2.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.view(*shape[:-1], w.out_features)
+
+    return linear
+
+
+def gguf_kernel_path(isa: Iterable[str]) -> str:
+    """The code path a build for these instruction sets compiles (the same
+    choice as the #if chain of quant_ops.cpp; a test checks they agree)."""
+    isa = set(isa)
+    if {"avx2", "fma"} <= isa:
+        if {"avx512_vnni", "avx512vl"} <= isa:
+            return "avx512-vnni (256-bit vpdpbusd)"
+        if "avx_vnni" in isa:
+            return "avx-vnni (vpdpbusd)"
+        return "avx2+fma (vpmaddubsw)"
+    return "scalar"
+
+
+class GGUFOps:
+    """pack and linear for GGUF weights; the kernels are built on the first
+    GGUF weight (a model without one never waits for that compiler run)."""
+
+    def __init__(self, isa: Iterable[str], bf16_gemm: bool) -> None:
+        self.isa = tuple(isa)
+        self.bf16_gemm = bf16_gemm
+        self._linear: Callable[..., Any] | None = None
+
+    def pack(self, weight: Any) -> GGUFLinear:
+        if self._linear is None:
+            self._linear = make_gguf_linear(load_quant_kernels(self.isa), bf16_gemm=self.bf16_gemm)
+        packed = pack(weight)
+        assert packed is not None
+        return packed
+
+    def linear(self, x: Any, weight: GGUFLinear, bias: Any = None) -> Any:
+        assert self._linear is not None, "a GGUFLinear comes from pack"
+        return self._linear(x, weight, bias)

@@ -1,0 +1,186 @@
+"""GGUF weights in their quantized blocks (csrc/quant_ops.cpp): every format
+on every code path this CPU can run (the native build, the AVX2 build of a
+narrowed instruction set, the portable scalar build).
+
+Tolerances:
+* dequantization is exact (bit for bit against the ``gguf`` package's numpy
+  dequantizer);
+* the integer kernel against the same arithmetic done in float64 on the
+  activations quantized as the kernel does (int8 per block of 32, or 256 for
+  K-quants, scale amax / 127): 1e-4 of the largest output. This checks the
+  integer dot products and offsets exactly, up to float rounding;
+* against plain ``x @ dequantized.T``: 2e-2 of the largest output, the error
+  8-bit activation quantization brings (half a step, amax / 254, per value;
+  llama.cpp has the same).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+from plinth.api import QuantizedWeight, SelectionContext
+
+from plinth_plugin_cpukernels.quant import GGUF_FORMATS, GGUFLinear, gguf_kernel_path, load_quant_kernels, make_gguf_linear
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType, quants  # noqa: E402
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+AVX2_ISA = ("sse4_2", "avx", "avx2", "fma", "f16c")
+
+
+def _native_isa() -> tuple[str, ...]:
+    from plinth_plugin_cpu.isa import effective_isa
+
+    return tuple(effective_isa())
+
+
+def _paths() -> list:
+    paths = [pytest.param("native", id="native")]
+    if X86 and set(AVX2_ISA) <= set(_native_isa()):
+        paths.append(pytest.param("avx2", id="avx2"))
+    paths.append(pytest.param("scalar", id="scalar"))
+    return paths
+
+
+def _isa(path: str) -> tuple[str, ...]:
+    return {"native": _native_isa(), "avx2": AVX2_ISA, "scalar": ()}[path]
+
+
+@pytest.fixture(scope="module", params=_paths())
+def kernels(request):
+    return request.param, load_quant_kernels(_isa(request.param))
+
+
+def _f16_bytes(a: np.ndarray) -> np.ndarray:
+    return np.frombuffer(a.astype(np.float16).tobytes(), np.uint8).reshape(*a.shape, 2)
+
+
+def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks uint8 [n, row bytes], the same dequantized by gguf, float32 [n, k]).
+    Q4_0/Q4_1/Q8_0 by gguf's quantizer; K-quants (gguf has no quantizer for
+    them) as random bytes with sane scales: every byte pattern is a valid block."""
+    rng = np.random.default_rng(seed)
+    qtype = getattr(GGMLQuantizationType, name)
+    _, block, nbytes = GGUF_FORMATS[name]
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
+        q = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    else:
+        q = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+        if name in ("Q4_K", "Q5_K"):
+            q[..., 0:2] = _f16_bytes(rng.uniform(0.001, 0.01, (n, k // block)))
+            q[..., 2:4] = _f16_bytes(rng.uniform(0.001, 0.01, (n, k // block)))
+        else:
+            q[..., 208:210] = _f16_bytes(rng.uniform(0.0005, 0.002, (n, k // block)))
+        q = q.reshape(n, -1)
+    dense = torch.from_numpy(np.ascontiguousarray(quants.dequantize(q, qtype), dtype=np.float32)).reshape(n, k)
+    return torch.from_numpy(np.ascontiguousarray(q)), dense
+
+
+def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x as the kernel sees it: int8 per block, scale amax / 127 (float64 out)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // block, block)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    return (q * d).reshape(m, k).double()
+
+
+def _k(name: str) -> int:
+    return 768 if name.endswith("_K") else 288  # 3 super-blocks / 9 blocks: odd counts
+
+
+@pytest.mark.parametrize("name", list(GGUF_FORMATS))
+def test_dequantize_is_exact(kernels, name):
+    _, k = kernels
+    code = GGUF_FORMATS[name][0]
+    blocks, dense = random_blocks(name, 37, _k(name))
+    assert torch.equal(k.gguf_dequantize(blocks, code, _k(name), 0, 37, False), dense)
+    torch.testing.assert_close(k.gguf_dequantize(blocks, code, _k(name), 5, 20, True), dense[5:20].bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 64])
+@pytest.mark.parametrize("name", list(GGUF_FORMATS))
+def test_integer_kernel(kernels, name, m):
+    _, k = kernels
+    code, block, _ = GGUF_FORMATS[name]
+    K, N = _k(name), 37
+    blocks, dense = random_blocks(name, N, K, seed=m)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+    y = k.gguf_linear(x, blocks, code)
+    exact = quantized_activations(x, 256 if block == 256 else 32) @ dense.double().t()
+    scale = exact.abs().max().item()
+    assert (y.double() - exact).abs().max().item() <= 1e-4 * scale
+    plain = x.double() @ dense.double().t()
+    assert (y.double() - plain).abs().max().item() <= 2e-2 * plain.abs().max().item()
+    yb = k.gguf_linear(x.bfloat16(), blocks, code)  # bf16 in and out
+    assert yb.dtype == torch.bfloat16
+    assert (yb.double() - plain).abs().max().item() <= 3e-2 * plain.abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_linear_switches_to_a_gemm_for_large_batches(kernels, name):
+    """M >= gemm_min_rows: tiles dequantized, then a GEMM (float32 here:
+    exact up to summation order); tiles smaller than the weight too."""
+    import plinth_plugin_cpukernels.quant as quant
+
+    _, k = kernels
+    K, N = _k(name), 37
+    blocks, dense = random_blocks(name, N, K)
+    w = GGUFLinear(blocks, name, (N, K))
+    x = torch.randn(2, 33, K)
+    linear = make_gguf_linear(k, bf16_gemm=False, gemm_min_rows=32)
+    bias = torch.randn(N)
+    torch.testing.assert_close(linear(x, w, bias), x @ dense.t() + bias, rtol=1e-4, atol=1e-4)
+    old = quant.GEMM_TILE_BYTES
+    quant.GEMM_TILE_BYTES = 10 * K * 4  # 10 rows a tile
+    try:
+        torch.testing.assert_close(linear(x, w), x @ dense.t(), rtol=1e-4, atol=1e-4)
+    finally:
+        quant.GEMM_TILE_BYTES = old
+    small = linear(x[:, :3], w)  # the integer kernel
+    assert small.shape == (2, 3, N)
+
+
+def test_the_compiled_path_is_the_predicted_one(kernels):
+    path, k = kernels
+    assert k.gguf_kernel_path() == gguf_kernel_path(_isa(path))
+    if path == "scalar":
+        assert k.gguf_kernel_path() == "scalar"
+    if path == "avx2":
+        assert k.gguf_kernel_path().startswith("avx2")
+
+
+def test_a_weight_that_does_not_fit_is_refused():
+    blocks, _ = random_blocks("Q4_1", 4, 64)
+    with pytest.raises(ValueError, match="blocks must be uint8"):
+        GGUFLinear(blocks, "Q4_1", (4, 96))
+
+
+def test_the_backend_keeps_gguf_weights_in_blocks():
+    """pack_linear takes a QuantizedWeight of format gguf_<type> to a
+    GGUFLinear; gguf_formats names the types and the path; other formats and
+    plain tensors are packed as before."""
+    from plinth.api import load_accelerator
+
+    from plinth_plugin_cpukernels.backend import CPUKernelsBackend
+
+    accelerator = load_accelerator("cpu")
+    ctx = SelectionContext(accelerator=accelerator, dtype=torch.float32)
+    from plinth_plugin_torch.backend import TorchBackend
+
+    reference = TorchBackend(SelectionContext(accelerator=accelerator, dtype=torch.float32)).ops()
+    ops = CPUKernelsBackend(ctx, reference).ops()
+    formats, path = ops["gguf_formats"]()
+    assert set(formats) >= {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert gguf_kernel_path(accelerator.info().isa) in path
+    blocks, dense = random_blocks("Q8_0", 40, 96)
+    packed = ops["pack_linear"](QuantizedWeight(format="gguf_q8_0", qweight=blocks, scale=torch.empty(0), shape=(40, 96), block_size=(1, 32)))
+    assert type(packed) is GGUFLinear and packed.nbytes() == blocks.numel()
+    x = torch.randn(2, 96)
+    torch.testing.assert_close(ops["linear"](x, packed), x @ dense.t(), rtol=0, atol=2e-2 * (x @ dense.t()).abs().max().item())
+    plain = ops["pack_linear"](dense)
+    torch.testing.assert_close(ops["linear"](x, plain), x @ dense.t(), rtol=1e-5, atol=1e-5)
