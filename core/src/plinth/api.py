@@ -5,6 +5,7 @@ change without notice."""
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import (
     BASE_OPS,
+    FUSED_OPS,
     OP_NAMES,
     OP_SIGNATURES,
     PLUGIN_API_VERSION,
@@ -74,6 +75,7 @@ def load_accelerator(name: str = "auto", options: dict | None = None) -> Acceler
 __all__ = [
     "load_accelerator",
     "BASE_OPS",
+    "FUSED_OPS",
     "OP_NAMES",
     "OP_SIGNATURES",
     "PLUGIN_API_VERSION",

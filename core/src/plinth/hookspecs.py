@@ -454,6 +454,10 @@ OP_SIGNATURES: dict[str, type] = {
     "fused_moe": FusedMoEOp,
 }
 OP_NAMES: tuple[str, ...] = tuple(OP_SIGNATURES)
+#: optional fusions of other ops: a backend may bring them (with the ops
+#: whose layout they read); the reference does not, and models compose the
+#: separate ops where the table has none
+FUSED_OPS: tuple[str, ...] = ("qkv_attention",)
 #: the ops every decoder the core runs calls (the engine itself calls the
 #: KV ones); ``ModelLoader.required_ops`` adds what an architecture needs
 BASE_OPS: tuple[str, ...] = (

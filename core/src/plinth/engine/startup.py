@@ -24,7 +24,7 @@ from plinth.engine.model_runner import ModelRunner, kv_page_bytes
 from plinth.engine.model_source import locate_model
 from plinth.engine.scheduler import Scheduler
 from plinth.errors import ConfigError, PluginError
-from plinth.hookspecs import OP_NAMES, LoadContext, ModelConfig, ModelSource, SelectionContext
+from plinth.hookspecs import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, SelectionContext
 from plinth.plugins import PluginEntry, PluginRegistry
 
 log = logging.getLogger("plinth.startup")
@@ -99,7 +99,7 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
             raise PluginError(f"backend {chosen.label()} provides {op} and must then provide {', '.join(needs)} too (their KV layout)")
     table.update(ops)
     sources.update({name: chosen.name for name in ops})
-    missing = [op for op in OP_NAMES if op not in table]
+    missing = [op for op in OP_NAMES if op not in table and op not in FUSED_OPS]
     if missing:
         log.info("ops with no implementation (models needing them will fail to load): %s", ", ".join(missing))
     return SimpleNamespace(**table), sources

@@ -246,12 +246,18 @@ def attention(
         else:
             ki = _gather(k_pages, p.pages)[:, : p.seq_len].to(q.dtype)
             vi = _gather(v_pages, p.pages)[:, : p.seq_len].to(q.dtype)
-        mask = _prefill_mask(p, window, torch.float32, q.device)
-        if mask is None and logit_cap is None:  # causal from position 0: SDPA's fused kernel
-            if group > 1:
-                ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
-        else:  # a cached prefix or a window: CPU SDPA with a mask is slow, so two matmuls
+        if logit_cap is None:
+            # SDPA's fused (flash) kernel: on CPU only with a batch dimension
+            # (3-D inputs take a path 2.5x slower at 512 tokens), with KV
+            # heads shared by the group (enable_gqa) instead of repeated;
+            # causal from position 0, else the offset-causal / window mask
+            mask = _prefill_mask(p, window, q.dtype, q.device)
+            oi = F.scaled_dot_product_attention(
+                qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
+                enable_gqa=group > 1,
+            ).squeeze(0)
+        else:  # soft-capped logits (no SDPA form): two matmuls
+            mask = _prefill_mask(p, window, torch.float32, q.device)
             qg = qi.reshape(num_kv_heads, group * p.query_len, qi.shape[-1])
             ki, vi = ki.contiguous(), vi.contiguous()
             scores = torch.matmul(qg, ki.transpose(-1, -2)).float() * scale

@@ -9,7 +9,7 @@ from plinth.api import Backend, SelectionContext
 
 
 class TorchBackend(Backend):
-    """Every op in ``OP_NAMES`` in plain PyTorch, on any torch device."""
+    """Every op in ``OP_NAMES`` but the fusions (``FUSED_OPS``) in plain PyTorch, on any torch device."""
 
     @classmethod
     def check(cls, ctx: SelectionContext) -> list[str]:
