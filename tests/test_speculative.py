@@ -451,3 +451,111 @@ def test_metrics_and_bench_serve_read_the_counters(target):
     assert "Mean accepted length:" in text
     plain_engine = make_llm(target).engine  # speculation off: no such metrics
     assert parse_spec_metrics(ServerMetrics(plain_engine, "m").render().decode()) is None
+
+
+def _forwards(llm):
+    """Record what each step hands the model runner: (tokens per sequence, logits rows)."""
+    calls = []
+    real = llm.engine.runner.execute
+
+    def execute(batch, rows):
+        calls.append((list(batch.num_tokens), list(rows)))
+        return real(batch, rows)
+
+    llm.engine.runner.execute = execute
+    return calls
+
+
+def test_a_step_without_proposals_does_the_work_of_a_plain_step(target):
+    """Speculation on (with the step cost model), but no sequence proposes
+    anything: every forward is the plain engine's forward (same tokens, same
+    logits rows), so such a step costs what a plain decode step costs. (At
+    batch 16 on SmolLM2 the earlier engine lost ~10 ms a step on random
+    prompts; no timing in this test.)"""
+    from plinth.engine.speculative import StepCostModel
+
+    class Silent:
+        wants_hidden = False
+
+        def propose(self, items):
+            return [[] for _ in items]
+
+        def free(self, key):
+            pass
+
+    base, spec = make_llm(target), make_llm(target)
+    spec.engine.spec = SpecDecoder(Silent(), 4, vocab_size=spec.engine.model_config.vocab_size, cost_model=StepCostModel())
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    seen_base, seen_spec = _forwards(base), _forwards(spec)
+    assert tokens(base.generate(PROMPTS, params)) == tokens(spec.generate(PROMPTS, params))
+    assert spec.engine.stats()["spec_proposed_tokens"] == 0
+    assert seen_spec == seen_base
+
+
+class FakeStepClock:
+    """Time that passes only in the model's forward: fixed + per_token *
+    tokens scored, so the cost model sees a machine of a known shape."""
+
+    def __init__(self, llm, fixed: float, per_token: float) -> None:
+        self.now = 0.0
+        real = llm.engine.runner.execute
+
+        def execute(batch, rows):
+            self.now += fixed + per_token * batch.total_tokens
+            return real(batch, rows)
+
+        llm.engine.runner.execute = execute
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("machine", ["compute-bound", "bandwidth-bound"])
+def test_cost_model_keeps_proposals_only_where_they_pay(target, machine):
+    """The target drafting for itself (every proposal passes). Where each
+    scored position costs as much as a token (no fixed cost), scoring
+    proposals can only break even, so after measuring one plain and one
+    speculative step per batch size the engine stops proposing; where a
+    step costs mostly its fixed part (reading the weights), it keeps them."""
+    from plinth.engine.speculative import StepCostModel
+
+    prompts = PROMPTS[:4]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = make_llm(target, speculative_method="draft", speculative_model=target, num_speculative_tokens=4)
+    fixed, per_token = (0.0, 1.0) if machine == "compute-bound" else (1.0, 0.001)
+    llm.engine.spec.cost_model = StepCostModel()
+    llm.engine.spec.clock = FakeStepClock(llm, fixed, per_token)
+    out = llm.generate(prompts, params)
+    assert tokens(out) == tokens(plain(target, 16, prompts, params))
+    s = llm.engine.stats()
+    assert s["spec_acceptance_rate"] == 1.0
+    if machine == "compute-bound":
+        assert s["spec_trimmed_tokens"] > 0
+        # exploration only: one step with all proposals per batch size seen
+        assert s["spec_verified_steps"] <= 2 * len(prompts)
+        assert s["spec_proposed_tokens"] < 0.25 * len(prompts) * params.max_tokens
+    else:
+        assert s["spec_mean_accepted_length"] > 4.5  # k = 4 nearly every step
+        assert s["spec_trimmed_tokens"] <= 4 * len(prompts)  # the one plain step that measures t0
+
+
+def test_cost_model_plan():
+    """The decision itself: which proposal positions a measured step cost keeps."""
+    from plinth.engine.speculative import StepCostModel
+
+    m = StepCostModel()
+    assert m.plan(16, [(0.9, 4)] * 16) == [0] * 16  # nothing measured: a plain step first
+    for _ in range(3):
+        m.observe(16, 0, 0.032)
+    assert m.plan(16, [(0.9, 4)] * 16) == [4] * 16  # then one with everything
+    m.observe(16, 64, 0.096)  # 1 ms per scored position, 2 ms per token in a plain step
+    assert m.costs(16) == pytest.approx((0.032, 0.001))
+    # a position is worth 1 ms only if it passes with a chance above ~1/2 (and above
+    # the rate the kept ones reach): 0.9, 0.81, 0.73, 0.66 pass it, 0.3 never does
+    assert m.plan(16, [(0.9, 4), (0.3, 4)]) == [4, 0]
+    # a weight-bound batch: extra positions nearly free, even unlikely ones are kept
+    m.observe(1, 0, 0.020)
+    m.observe(1, 4, 0.0204)
+    assert m.plan(1, [(0.3, 4)]) == [4]
+    assert m.plan(1, [(0.01, 4)]) == [1]  # 0.01 beats 0.1 ms / 20 ms; 0.003 does not
+    assert m.plan(1, [(0.003, 4)]) == [0]

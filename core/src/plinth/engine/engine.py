@@ -156,7 +156,10 @@ class LLMEngine:
                 seq.request.finished_time = time.monotonic()
         if batch.seqs:
             self.num_steps += 1
+            shape = self.spec.decode_shape(batch) if self.spec is not None and not batch.preempted else None
             self._run(batch, touched)
+            if self.spec is not None:
+                self.spec.step_done(shape)
         elif self.kv.connector is not None and self.kv.connector.pending():
             self.kv.connector.wait(0.01)  # only KV lookups in flight: do not spin
         outputs = []

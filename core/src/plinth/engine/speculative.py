@@ -23,14 +23,22 @@ Each position's processing sees the proposals before it as already
 generated (penalty counts, the grammar advanced on a fork), which is what
 the sequence would have seen had they been sampled one by one.
 
-Adaptive k: a sequence whose proposals keep failing proposes fewer (see
-``_SeqState.update``); the bound on the wasted work is in docs/architecture.md.
+Adaptive k, two levels: a sequence whose proposals keep failing proposes
+fewer (``_SeqState.update``; the bound on the wasted work is in
+docs/architecture.md), and a step keeps only the proposals that its measured
+cost says pay for themselves at this batch size (``StepCostModel``): at
+batch 1 a decode step is bound by reading the weights and scoring four more
+positions is almost free; at batch 16 on a CPU each scored position costs
+nearly what a token costs, so only proposals likely to pass are worth it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 from typing import Sequence as Seq
 
@@ -49,6 +57,12 @@ log = logging.getLogger("plinth.speculative")
 MAX_PAUSE = 32
 
 
+#: how fast a sequence's acceptance estimate forgets (per verified step)
+ACCEPTANCE_DECAY = 0.75
+#: weight, in positions, of the all-sequence acceptance in a sequence's estimate
+ACCEPTANCE_PRIOR = 2.0
+
+
 @dataclass
 class _SeqState:
     """Adaptive proposal length of one sequence."""
@@ -56,8 +70,19 @@ class _SeqState:
     k: int
     pause: int = 0  # steps left without proposals
     backoff: int = 1  # the next pause, doubled after each complete miss
+    # decayed counts of proposal positions that passed / were judged (a
+    # position is judged when every one before it passed)
+    passed: float = 0.0
+    judged: float = 0.0
+
+    def acceptance(self, prior: float) -> float:
+        """Probability that a proposal position passes given the ones before
+        it did, shrunk towards ``prior`` while this sequence has little data."""
+        return (self.passed + ACCEPTANCE_PRIOR * prior) / (self.judged + ACCEPTANCE_PRIOR)
 
     def update(self, accepted: int, proposed: int, k_max: int) -> None:
+        self.passed = ACCEPTANCE_DECAY * self.passed + accepted
+        self.judged = ACCEPTANCE_DECAY * self.judged + accepted + (accepted < proposed)
         if accepted == 0:
             # halve; at zero, stop for a while and then probe with one token,
             # waiting twice as long after each miss (up to MAX_PAUSE steps)
@@ -68,6 +93,86 @@ class _SeqState:
         else:
             self.backoff = 1
             self.k = min(k_max, self.k + 1) if accepted == proposed else min(k_max, accepted + 1)
+
+
+#: step times kept per batch size and kind (plain / with proposals)
+COST_SAMPLES = 16
+
+
+@dataclass
+class _BatchCost:
+    plain: deque = field(default_factory=lambda: deque(maxlen=COST_SAMPLES))  # seconds of steps without proposals
+    spec: deque = field(default_factory=lambda: deque(maxlen=COST_SAMPLES))  # (proposals scored, seconds)
+
+
+class StepCostModel:
+    """What a decode step of B sequences costs with X proposals scored,
+    measured on this machine while the engine runs, and which proposals
+    that makes worth scoring.
+
+    Model: t(B, X) = t0(B) + c(B) * X. t0 is the median time of recent steps
+    of B sequences without proposals; c, the cost of one more scored
+    position, is the median over recent steps with proposals of
+    (t - t0) / X (medians: the machine is shared, and a stray slow step must
+    not flip the decision). Nothing is assumed about the hardware: where a
+    step is bound by reading the weights c comes out near 0, where it is
+    compute-bound near t0 / B.
+
+    Decision: position j of a sequence whose positions pass with probability
+    a each passes with probability a^j (it needs all before it), and adds
+    that many expected tokens. The step keeps the proposal positions, most
+    likely first, that maximise expected tokens per second,
+    (B + sum of kept a^j) / (t0 + c * kept), so a position is kept only if
+    its chance of passing beats c / (current cost per token): at batch 1
+    almost everything, at a compute-bound batch almost nothing.
+
+    Until it has measured both kinds of step for a batch size it explores:
+    first one step without proposals (t0), then one with all of them (c)."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, _BatchCost] = {}
+
+    def observe(self, num_seqs: int, num_proposed: int, seconds: float) -> None:
+        """A decode-only step of num_seqs sequences scored num_proposed proposals."""
+        b = self.batches.setdefault(num_seqs, _BatchCost())
+        if num_proposed:
+            b.spec.append((num_proposed, seconds))
+        else:
+            b.plain.append(seconds)
+
+    def costs(self, num_seqs: int) -> tuple[float, float] | None:
+        """(t0, c) for this batch size, or None before both were measured."""
+        b = self.batches.get(num_seqs)
+        if b is None or not b.plain or not b.spec:
+            return None
+        t0 = statistics.median(b.plain)
+        c = statistics.median((t - t0) / x for x, t in b.spec)
+        return t0, max(c, 0.0)
+
+    def plan(self, num_seqs: int, offers: Seq[tuple[float, int]]) -> list[int]:
+        """offers: per sequence with proposals, (chance a position passes,
+        proposals offered). Returns how many of each to score."""
+        b = self.batches.get(num_seqs)
+        if b is None or not b.plain:
+            return [0] * len(offers)  # explore: measure a plain step first
+        costs = self.costs(num_seqs)
+        if costs is None:
+            return [n for _, n in offers]  # explore: measure a step with proposals
+        t0, c = costs
+        # every position of every offer, most likely to pass first
+        positions = sorted(
+            ((a**j, i) for i, (a, n) in enumerate(offers) for j in range(1, n + 1)), key=lambda p: -p[0]
+        )
+        best, best_rate, expected = 0, num_seqs / t0 if t0 > 0 else 0.0, float(num_seqs)
+        for kept, (p, _) in enumerate(positions, 1):
+            expected += p
+            rate = expected / (t0 + c * kept)
+            if rate > best_rate:
+                best, best_rate = kept, rate
+        keep = [0] * len(offers)
+        for _, i in positions[:best]:
+            keep[i] += 1
+        return keep
 
 
 @dataclass
@@ -85,8 +190,23 @@ class SpecDecoder:
     """The engine's side of speculative decoding: asks the proposer, verifies,
     adapts k per sequence and counts."""
 
-    def __init__(self, proposer: Any, num_speculative_tokens: int, *, vocab_size: int, method: str = "") -> None:
+    def __init__(
+        self,
+        proposer: Any,
+        num_speculative_tokens: int,
+        *,
+        vocab_size: int,
+        method: str = "",
+        cost_model: StepCostModel | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.proposer = proposer
+        #: batch-aware trimming of proposals (None: each sequence's adaptive k alone)
+        self.cost_model = cost_model
+        self.clock = clock
+        self._step_start = 0.0
+        self.num_decoding = 0  # decoding sequences at the last propose()
+        self.num_trimmed = 0  # proposals the cost model did not score
         self.vocab_size = vocab_size
         self.k = num_speculative_tokens
         self.method = method
@@ -98,6 +218,7 @@ class SpecDecoder:
         self.num_accepted = 0
         self.num_verified = 0  # sequence-steps that carried proposals
         self.num_emitted = 0  # tokens those steps appended (accepted + the target's own)
+        self.num_judged = 0  # proposal positions judged (accepted + first rejections)
         self.proposed_at = [0] * num_speculative_tokens  # per position: proposals scored
         self.accepted_at = [0] * num_speculative_tokens  # per position: proposals accepted
 
@@ -108,11 +229,14 @@ class SpecDecoder:
         drop the state of sequences no longer alive. Returns those given any."""
         for key in [k for k in self.states if k not in live_ids]:  # aborted, or ended elsewhere
             self.release(key)
+        self._step_start = self.clock()
         items: list[ProposeItem] = []
         seqs = []
+        decoding = 0
         for seq in running:
             if seq.remaining != 1 or seq.pending_fork:
                 continue  # prefilling (or recomputing after preemption): nothing to speculate on
+            decoding += 1
             st = self.states.get(seq.seq_id)
             if st is None:
                 st = self.states[seq.seq_id] = _SeqState(self.k)
@@ -127,6 +251,7 @@ class SpecDecoder:
             hidden = self.hidden.get(seq.seq_id) if self.wants_hidden else None
             items.append(ProposeItem(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, k, hidden))
             seqs.append(seq)
+        self.num_decoding = decoding
         if not items:
             return []
         proposals = self.proposer.propose(items)
@@ -141,7 +266,36 @@ class SpecDecoder:
             if toks:
                 seq.spec_tokens = toks
                 given.append(seq)
+        if given and self.cost_model is not None:
+            prior = self.acceptance()
+            keep = self.cost_model.plan(decoding, [(self.states[s.seq_id].acceptance(prior), len(s.spec_tokens)) for s in given])
+            for seq, n in zip(given, keep):
+                self.num_trimmed += len(seq.spec_tokens) - n
+                seq.spec_tokens = seq.spec_tokens[:n]
+            given = [s for s in given if s.spec_tokens]
         return given
+
+    def acceptance(self) -> float:
+        """All sequences' chance that a judged proposal position passes
+        (with one pass and one failure assumed before any data)."""
+        return (self.num_accepted + 1) / (self.num_judged + 2)
+
+    @staticmethod
+    def decode_shape(batch: ScheduledBatch) -> tuple[int, int] | None:
+        """(sequences, proposals scored) of a decode-only batch, taken before
+        its forward; None when a prefill chunk is in it (another cost)."""
+        proposed = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if n != 1 + len(seq.spec_tokens):
+                return None
+            proposed += n - 1
+        return len(batch.seqs), proposed
+
+    def step_done(self, shape: tuple[int, int] | None) -> None:
+        """After a step's forward and sampling: a decode-only step's time,
+        from propose() on, feeds the cost model."""
+        if self.cost_model is not None and shape is not None and shape[0] == self.num_decoding:
+            self.cost_model.observe(shape[0], shape[1], self.clock() - self._step_start)
 
     def release(self, key: int) -> None:
         """A sequence ended: the proposer drops what it keeps for it."""
@@ -223,6 +377,7 @@ class SpecDecoder:
         self.num_proposed += proposed
         self.num_accepted += accepted
         self.num_emitted += accepted + 1
+        self.num_judged += accepted + (accepted < proposed)
         for i in range(proposed):
             self.proposed_at[i] += 1
             if i < accepted:
@@ -239,6 +394,8 @@ class SpecDecoder:
             "spec_accepted_tokens": self.num_accepted,
             "spec_rejected_tokens": self.num_proposed - self.num_accepted,
             "spec_verified_steps": self.num_verified,
+            # proposals the step cost model left unscored (batch too compute-bound for them)
+            "spec_trimmed_tokens": self.num_trimmed,
             "spec_acceptance_rate": self.num_accepted / self.num_proposed if self.num_proposed else 0.0,
             # tokens a verified step appends per target forward (1 = no gain)
             "spec_mean_accepted_length": self.num_emitted / self.num_verified if self.num_verified else 0.0,

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 from plinth.api import SelectionContext
-from plinth_plugin_ngram.proposer import NgramProposer, propose_ngram
+from plinth_plugin_ngram.proposer import NgramIndex, NgramProposer, propose_ngram
 
 
 def arr(xs):
@@ -44,14 +44,26 @@ def test_options_are_checked_and_state_follows_each_sequence():
 
     toks = [5, 6, 7, 5, 6]
     assert p.propose([ProposeItem(1, toks, 2, 3)]) == [[7, 5, 6]]
-    toks = toks + [7, 9]  # grows: the cached array is extended; 9 never occurred before
+    toks = toks + [7, 9]  # grows: the index is extended; 9 never occurred before
     assert p.propose([ProposeItem(1, toks, 2, 2)]) == [[]]
-    assert p._arrays[1].tolist() == toks
-    rolled = [5, 6, 7, 5, 6, 7]  # same key, shorter (rolled back): the array is rebuilt
+    assert p._indexes[1].tokens == toks
+    rolled = [5, 6, 7, 5, 6, 7]  # same key, shorter (rolled back): the index is rebuilt
     assert p.propose([ProposeItem(1, rolled, 2, 2)]) == [[5, 6]]
-    assert p._arrays[1].tolist() == rolled
+    assert p._indexes[1].tokens == rolled
     p.free(1)
-    assert 1 not in p._arrays
+    assert 1 not in p._indexes
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 4), (2, 2), (3, 5)])
+def test_incremental_index_matches_the_scan(min_n, max_n):
+    """The per-step index gives propose_ngram's answer at every length of a
+    growing sequence (a small alphabet, so matches of every n occur)."""
+    rng = np.random.default_rng(min_n * 10 + max_n)
+    toks = rng.integers(0, 5, size=300).tolist()
+    idx = NgramIndex(min_n, max_n)
+    for size in range(1, len(toks) + 1):
+        k = 1 + size % 5
+        assert idx.propose(toks[:size], k) == propose_ngram(arr(toks[:size]), k, min_n, max_n), size
 
 
 def test_engine_greedy_output_unchanged(tmp_path):

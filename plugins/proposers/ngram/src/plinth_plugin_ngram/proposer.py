@@ -44,6 +44,48 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
     return []
 
 
+class NgramIndex:
+    """One sequence's n-grams (n in [min_n, max_n]), each mapped to where its
+    most recent occurrence starts, grown as the sequence grows: a step's
+    lookup is a few dict probes, not a scan of the sequence (propose_ngram
+    gives the same answers; it is the definition, this is the fast path)."""
+
+    __slots__ = ("tokens", "min_n", "max_n", "starts", "indexed")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.tokens: list[int] = []
+        self.min_n, self.max_n = min_n, max_n
+        self.starts: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.indexed = 0  # n-grams ending before this index are in ``starts``
+
+    def follows(self, token_ids: Sequence[int]) -> bool:
+        """Whether token_ids extends what was indexed (else rebuild)."""
+        n = len(self.tokens)
+        return n <= len(token_ids) and (n == 0 or self.tokens[-1] == token_ids[n - 1])
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        toks = self.tokens
+        toks.extend(token_ids[len(toks) :])
+        size = len(toks)
+        # index every n-gram that ends before the last token (the suffix
+        # itself must not match itself); later occurrences overwrite earlier
+        for end in range(self.indexed, size - 1):
+            for n, table in self.starts.items():
+                if end + 1 >= n:
+                    table[tuple(toks[end + 1 - n : end + 1])] = end + 1 - n
+        self.indexed = max(self.indexed, size - 1)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            hit = self.starts[n].get(tuple(toks[size - n :]))
+            if hit is not None:
+                start = hit + n
+                out: list[int] = []
+                for j in range(k):
+                    i = start + j
+                    out.append(toks[i] if i < size else out[i - size])
+                return out
+        return []
+
+
 class NgramProposer(Proposer):
     @classmethod
     def check(cls, ctx: SelectionContext) -> list[str]:
@@ -58,21 +100,16 @@ class NgramProposer(Proposer):
     def __init__(self, ctx: SelectionContext) -> None:
         super().__init__(ctx)
         self.min_n, self.max_n = _options(ctx)
-        # token ids per sequence as an array, grown as the sequence grows
-        self._arrays: dict[int, np.ndarray] = {}
+        self._indexes: dict[int, NgramIndex] = {}
 
-    def _array(self, item: ProposeItem) -> np.ndarray:
-        arr = self._arrays.get(item.key)
-        size = len(item.token_ids)
-        if arr is None or len(arr) > size or (len(arr) and arr[-1] != item.token_ids[len(arr) - 1]):
-            arr = np.asarray(item.token_ids, dtype=np.int64)
-        elif len(arr) < size:
-            arr = np.concatenate([arr, np.asarray(item.token_ids[len(arr) :], dtype=np.int64)])
-        self._arrays[item.key] = arr
-        return arr
+    def _index(self, item: ProposeItem) -> NgramIndex:
+        idx = self._indexes.get(item.key)
+        if idx is None or not idx.follows(item.token_ids):  # new, or not a continuation (rolled back)
+            idx = self._indexes[item.key] = NgramIndex(self.min_n, self.max_n)
+        return idx
 
     def propose(self, items: Sequence[ProposeItem]) -> list[list[int]]:
-        return [propose_ngram(self._array(it), it.k, self.min_n, self.max_n) for it in items]
+        return [self._index(it).propose(it.token_ids, it.k) for it in items]
 
     def free(self, key: int) -> None:
-        self._arrays.pop(key, None)
+        self._indexes.pop(key, None)
