@@ -28,3 +28,52 @@ def gguf_to_hf_folder(gguf: str | Path, out: str | Path) -> None:
     model.generation_config = quantized.generation_config
     model.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def batch1_prompt(vocab_size: int, seed: int = 0, n: int = 16) -> list[int]:
+    """The prompt `platform bench offline` times batch-1 decode after
+    (``time_decode_steps``: ``n`` token ids drawn from ``random.Random(seed)``)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(200, vocab_size) for _ in range(n)]
+
+
+def llamacpp_batch1_ms(gguf: str | Path, prompt: list[int], steps: int, threads: int, repeats: int = 1) -> list[float]:
+    """llama.cpp (``llama-cpp-python``) batch-1 greedy decode on a GGUF file:
+    per repeat, the median ms of one decode step (sample, then evaluate the
+    token) over ``steps`` steps after the prompt, as ``platform bench offline``
+    times plinth's (median of its steps). Imports only ``llama_cpp``, so this
+    module also runs as a script with another environment's Python:
+    ``python peers.py llamacpp-batch1 '{"gguf": ..., "prompt": [...], "steps": 64, "threads": 2}'``."""
+    import statistics
+    import time
+
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+    out = []
+    for _ in range(repeats):
+        llm.reset()
+        llm.eval(prompt)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            tok = llm.sample(temp=0.0)
+            llm.eval([tok])
+            times.append(time.perf_counter() - t)
+        out.append(statistics.median(times) * 1000)
+    return out
+
+
+if __name__ == "__main__":  # llama.cpp from another venv (bench/serve_compare.py --llamacpp-venv)
+    import json
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "llamacpp-batch1":
+        sys.exit("usage: peers.py llamacpp-batch1 JSON")
+    spec = json.loads(sys.argv[2])
+    ms = llamacpp_batch1_ms(spec["gguf"], spec["prompt"], spec["steps"], spec["threads"], spec.get("repeats", 1))
+    import llama_cpp
+
+    print(json.dumps({"ms_per_token": ms, "llama_cpp": getattr(llama_cpp, "__version__", "?")}))
