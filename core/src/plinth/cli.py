@@ -67,6 +67,11 @@ def add_plugin_options(parser: argparse.ArgumentParser, registry: PluginRegistry
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
+    g.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="dequantize quantized weights (GGUF blocks) at load to --dtype, even where the backend runs them quantized",
+    )
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (any value >= 1)")
     g.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: from --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB", help="memory for the KV pool")
@@ -113,7 +118,7 @@ def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if own is not None:
         kv_config = {**(kv_config or {}), **own}
     known = {
-        "model", "device", "backend", "a2a", "kv_connector", "dtype", "page_size", "num_pages", "kv_cache_memory",
+        "model", "device", "backend", "a2a", "kv_connector", "dtype", "dequantize", "page_size", "num_pages", "kv_cache_memory",
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep", "seed",
         "kv_connector_config", "kv_transfer_config",
         "speculative_method", "num_speculative_tokens", "speculative_model",

@@ -587,6 +587,9 @@ class LoadContext:
     ep_group: Any = None
     a2a: "AllToAll | None" = None
     progress: bool = True
+    #: weights stored quantized (GGUF blocks) are dequantized at load to
+    #: ``dtype`` even where the backend runs their format (``--dequantize``)
+    dequantize: bool = False
 
 
 class CausalLM:

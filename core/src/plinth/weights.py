@@ -266,6 +266,30 @@ class GGUFFile:
         out = dequantize_gguf(t.data, t.tensor_type, dtype)
         return out.reshape(self.tensor_shape(name))
 
+    def quantized_weight(self, name: str) -> Any:
+        """A 2-D weight as stored, not dequantized: a ``QuantizedWeight`` of
+        format ``gguf_<type>`` (``gguf_q4_1``), qweight its rows of blocks as
+        uint8 [out, in / block * bytes per block] (a view of the memory map,
+        read-only: copy before writing), no separate scale (the scales live in
+        the blocks), block_size (1, weights per block)."""
+        import numpy as np
+        import torch
+        from gguf import GGML_QUANT_SIZES
+
+        from plinth.hookspecs import QuantizedWeight
+
+        if name not in self._tensors:
+            raise ConfigError(f"{self.path}: no tensor {name!r}")
+        t = self._tensors[name]
+        shape = self.tensor_shape(name)
+        if len(shape) != 2:
+            raise ConfigError(f"{self.path}: {name} is not a matrix ({shape})")
+        block, nbytes = GGML_QUANT_SIZES[t.tensor_type]
+        with warnings.catch_warnings():  # read-only memory map: the kernels only read it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8)).reshape(shape[0], shape[1] // block * nbytes)
+        return QuantizedWeight(format=f"gguf_{t.tensor_type.name.lower()}", qweight=raw, scale=torch.empty(0), shape=(shape[0], shape[1]), block_size=(1, block))
+
     def iter_tensors(
         self,
         *,

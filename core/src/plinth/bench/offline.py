@@ -29,6 +29,7 @@ from plinth.plugins import PluginRegistry
 def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:
     parser.add_argument("--model", default=None, help="model folder or .gguf (default: the bundled SmolLM2-135M)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dequantize", action="store_true", help="GGUF weights dequantized at load (default: kept in their blocks where the backend runs them)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -302,7 +303,7 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
         args.model, device=args.device, backend=args.backend, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, registry=registry, kv_cache_memory=2.0,
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-        speculative_model=args.speculative_model,
+        speculative_model=args.speculative_model, dequantize=args.dequantize,
         plugin_options={k: v for k, v in (("ngram_min_n", args.ngram_min_n), ("ngram_max_n", args.ngram_max_n)) if v is not None},
     )
     # which machine and paths the figures came from

@@ -21,6 +21,9 @@ class EngineConfig:
     device: str = "auto"
     backend: str = "auto"
     dtype: str = "auto"
+    #: quantized weights (GGUF blocks) dequantized at load to ``dtype``, even
+    #: where the backend runs their format (default: kept quantized there)
+    dequantize: bool = False
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_memory: float | None = None  # GiB; default: the accelerator's budget

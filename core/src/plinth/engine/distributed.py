@@ -150,11 +150,11 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
     options = dict(config.plugin_options)
     acc_entry = registry.select("accelerator", config.device, SelectionContext(options=options))
     accelerator = acc_entry.load()()
-    accelerator.init_process(local_rank=local_rank, options=options)
     per_node = layout.world // config.nnodes
     if per_node > 1 and not os.environ.get("OMP_NUM_THREADS") and not options.get("cpu_threads"):
         # the ranks of a node share its cores: threads each would oversubscribe them
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // per_node)))
+        options["cpu_threads"] = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // per_node))
+    accelerator.init_process(local_rank=local_rank, options=options)
     timeout = datetime.timedelta(seconds=config.dist_timeout)
     store.set(f"plinth/up/{rank}", "1")
     # every rank is up (imports done) before the group forms, whose own timeout is short
@@ -188,7 +188,7 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
     load_ctx = LoadContext(
         device=device, dtype=dtype, ops=ops, progress=config.load_progress and rank == 0,
         tp_rank=groups.tp_rank, tp_size=layout.tp, tp_group=groups.tp_group,
-        ep_rank=groups.ep_rank, ep_size=layout.ep, ep_group=groups.ep_group, a2a=a2a,
+        ep_rank=groups.ep_rank, ep_size=layout.ep, ep_group=groups.ep_group, a2a=a2a, dequantize=config.dequantize,
     )  # fmt: skip
     model = loader.load_model(source, model_cfg, load_ctx)
     num_pages, page_bytes, _ = kv_pool_pages(

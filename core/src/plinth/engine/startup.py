@@ -208,7 +208,7 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
 
     tokenizer = loader.load_tokenizer(source)
-    load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress)
+    load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress, dequantize=config.dequantize)
     model = loader.load_model(source, model_cfg, load_ctx)
     num_pages, page_bytes, budget = kv_pool_pages(config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len)
     if num_pages < 1:

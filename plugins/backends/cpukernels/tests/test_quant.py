@@ -22,8 +22,13 @@ import numpy as np
 import pytest
 import torch
 from plinth.api import QuantizedWeight, SelectionContext
-
-from plinth_plugin_cpukernels.quant import GGUF_FORMATS, GGUFLinear, gguf_kernel_path, load_quant_kernels, make_gguf_linear
+from plinth_plugin_cpukernels.quant import (
+    GGUF_FORMATS,
+    GGUFLinear,
+    gguf_kernel_path,
+    load_quant_kernels,
+    make_gguf_linear,
+)
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
@@ -165,7 +170,6 @@ def test_the_backend_keeps_gguf_weights_in_blocks():
     GGUFLinear; gguf_formats names the types and the path; other formats and
     plain tensors are packed as before."""
     from plinth.api import load_accelerator
-
     from plinth_plugin_cpukernels.backend import CPUKernelsBackend
 
     accelerator = load_accelerator("cpu")

@@ -1,10 +1,12 @@
 """Loading Llama-family models (dense, and the Mixtral / Qwen2-MoE / Qwen3-MoE
 mixtures of experts) from a Hugging Face folder (safetensors, per-expert
-weights) or a GGUF file (llama.cpp tensor names, dequantized at load), cut to
-this rank's share when the world is tensor or expert parallel."""
+weights) or a GGUF file (llama.cpp tensor names), cut to
+this rank's share when the world is tensor or expert parallel. GGUF weights
+of the types the backend runs stay in their quantized blocks (gguf_quant.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from typing import Any
@@ -17,6 +19,7 @@ from plinth.api import (
     ModelConfig,
     ModelLoader,
     ModelSource,
+    QuantizedWeight,
     Tokenizer,
     iter_safetensors,
     load_hf_config,
@@ -24,6 +27,7 @@ from plinth.api import (
 
 from plinth_plugin_llama.arch import LlamaArch, arch_from_hf, hf_config_from_gguf
 from plinth_plugin_llama.fp8 import fp8_checkpoint
+from plinth_plugin_llama.gguf_quant import GGUFWeights, cat_rows
 from plinth_plugin_llama.model import LlamaForCausalLM, LlamaLayer
 from plinth_plugin_llama.moe import MoEBlock
 from plinth_plugin_llama.parallel import Parallel, head_cols, head_rows, vocab_rows
@@ -184,7 +188,7 @@ class LlamaLoader(ModelLoader):
         if source.format == "gguf":
             gguf = GGUFFile(source.path)
             permute = gguf.architecture == "llama"
-            tensors = gguf.iter_tensors(dtype=ctx.dtype, progress=ctx.progress)
+            tensors = GGUFWeights(gguf, ctx, arch.num_layers).tensors()
             names = (_GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_RE)
         else:
             permute = False
@@ -207,10 +211,12 @@ class LlamaLoader(ModelLoader):
                 continue  # another ep rank's expert: never kept
             if key == "rope_freqs" and source.format == "gguf":
                 tensor = gguf.tensor(name)  # frequency factors stay float32
-            if permute and key in ("q", "q_bias"):
-                tensor = unpermute_gguf_rows(tensor, arch.num_heads)
-            elif permute and key in ("k", "k_bias"):
-                tensor = unpermute_gguf_rows(tensor, arch.num_kv_heads)
+            if permute and key in ("q", "q_bias", "k", "k_bias"):
+                heads = arch.num_heads if key.startswith("q") else arch.num_kv_heads
+                if isinstance(tensor, QuantizedWeight):  # rows of blocks: the same row order
+                    tensor = dataclasses.replace(tensor, qweight=unpermute_gguf_rows(tensor.qweight, heads))
+                else:
+                    tensor = unpermute_gguf_rows(tensor, heads)
             if layer is None:
                 top[key] = tensor
             elif layer < arch.num_layers:
@@ -245,25 +251,38 @@ def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[d
             raise ConfigError(f"the checkpoint has no {key} weight for {where}")
         return d[key]
 
-    def put(t: torch.Tensor | None) -> torch.Tensor | None:
+    def put(t: Any) -> Any:
+        if isinstance(t, QuantizedWeight):  # kept in its blocks for pack_linear (tp = 1 only)
+            if par.tp_size > 1:
+                raise ConfigError("quantized weights are kept only at tp = 1")
+            return t
         return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+    def whole(cut: Any) -> Any:  # a cut to this rank's share; quantized weights are whole (tp = 1)
+        return lambda t, *a: t if isinstance(t, QuantizedWeight) else cut(t, *a)
 
     def fused_bias(d: dict[str, torch.Tensor], keys: tuple[str, ...], sizes: list[int], cut: list[Any]) -> torch.Tensor | None:
         if not any(f"{k}_bias" in d for k in keys):
             return None
         return torch.cat([cut_fn(d[f"{k}_bias"]) if f"{k}_bias" in d else torch.zeros(n) for k, n, cut_fn in zip(keys, sizes, cut)])
 
+    @whole
     def q_rows(t: torch.Tensor) -> torch.Tensor:
         return head_rows(t, heads, hd)
 
+    @whole
     def kv_rows(t: torch.Tensor) -> torch.Tensor:
         return head_rows(t, kv_heads, hd)
 
+    @whole
     def mlp_rows(t: torch.Tensor) -> torch.Tensor:  # column-parallel gate/up
         return t[par.split(t.shape[0])]
 
+    @whole
     def mlp_cols(t: torch.Tensor) -> torch.Tensor:  # row-parallel down
         return t[:, par.split(t.shape[1])]
+
+    o_cols = whole(head_cols)
 
     layers = []
     for i, d in enumerate(per_layer):
@@ -274,16 +293,16 @@ def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[d
         if (q.shape[0], k.shape[0], v.shape[0]) != expected:
             raise ConfigError(f"{where}: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows, the config implies {expected}")
         q, k, v = q_rows(q), kv_rows(k), kv_rows(v)
-        layer.qkv = ops.pack_linear(put(torch.cat((q, k, v))))
+        layer.qkv = ops.pack_linear(put(cat_rows((q, k, v))))
         layer.qkv_bias = put(fused_bias(d, ("q", "k", "v"), [q.shape[0], k.shape[0], v.shape[0]], [q_rows, kv_rows, kv_rows]))
-        layer.o_proj = ops.pack_linear(put(head_cols(need(d, "o", where), heads, hd)))
+        layer.o_proj = ops.pack_linear(put(o_cols(need(d, "o", where), heads, hd)))
         layer.o_bias = put(d.get("o_bias")) if first_rank else None
         is_moe = bool(arch.num_experts) and i < len(arch.moe_layers) and arch.moe_layers[i]
         if is_moe:
             layer.moe = _build_moe(arch, d, where, ops, par, put, need)
         else:
             gate, up = mlp_rows(need(d, "gate", where)), mlp_rows(need(d, "up", where))
-            layer.gate_up = ops.pack_linear(put(torch.cat((gate, up))))
+            layer.gate_up = ops.pack_linear(put(cat_rows((gate, up))))
             layer.gate_up_bias = put(fused_bias(d, ("gate", "up"), [gate.shape[0], up.shape[0]], [mlp_rows, mlp_rows]))
             layer.down = ops.pack_linear(put(mlp_cols(need(d, "down", where))))
             layer.down_bias = put(d.get("down_bias")) if first_rank else None
@@ -304,7 +323,7 @@ def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[d
             log.warning("the checkpoint has no lm_head: tying it to the embedding")
         lm_head = embed
     else:
-        lm_head = put(vocab_rows(lm_head, first, rows)) if par.tp_size > 1 else put(lm_head)
+        lm_head = put(vocab_rows(lm_head, first, rows)) if par.tp_size > 1 and not isinstance(lm_head, QuantizedWeight) else put(lm_head)
     cos_sin = cos_sin_table(
         arch.rope,
         arch.rotary_dim,
