@@ -588,6 +588,9 @@ def plot(series: list[tuple[str, dict]], concs: list[int], path: Path, title: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    servers = list(dict.fromkeys(label.split()[0] for label, _ in series))
+    colors = {n: f"C{i}" for i, n in enumerate(servers)}  # one color per server, one line style per judge
+    styles = {"(platform)": ("-", "o"), "(vllm)": ("--", "s")}
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     panels = (("output_throughput", "output throughput (tok/s)", False), ("median_ttft_ms", "median TTFT (ms)", True),
               ("median_tpot_ms", "median TPOT (ms)", True), ("median_e2el_ms", "median E2EL (ms)", True))
@@ -598,12 +601,14 @@ def plot(series: list[tuple[str, dict]], concs: list[int], path: Path, title: st
                 continue
             ys = [by_c[c][key] for c in xs]
             rng = [by_c[c].get("range", {}).get(key) for c in xs]
+            ls, marker = styles.get(label.split()[-1], ("-", "o"))
+            style = {"color": colors[label.split()[0]], "linestyle": ls, "marker": marker, "label": label}
             if all(rng):
                 err = [[y - lo for y, (lo, _) in zip(ys, rng, strict=True)],
                        [hi - y for y, (_, hi) in zip(ys, rng, strict=True)]]
-                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+                ax.errorbar(xs, ys, yerr=err, capsize=3, **style)
             else:
-                ax.plot(xs, ys, marker="o", label=label)
+                ax.plot(xs, ys, **style)
         if key == "output_throughput" and offline:
             ax.scatter([max(concs)], [offline["output_throughput"]], marker="*", s=150, color="k",
                        label="plinth offline engine", zorder=5)
