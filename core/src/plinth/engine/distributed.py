@@ -153,7 +153,9 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
     per_node = layout.world // config.nnodes
     if per_node > 1 and not os.environ.get("OMP_NUM_THREADS") and not options.get("cpu_threads"):
         # the ranks of a node share its cores: threads each would oversubscribe them
+        # (set before init_process, so a CPU accelerator binding threads sees the final count)
         options["cpu_threads"] = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // per_node))
+        torch.set_num_threads(options["cpu_threads"])
     accelerator.init_process(local_rank=local_rank, options=options)
     timeout = datetime.timedelta(seconds=config.dist_timeout)
     store.set(f"plinth/up/{rank}", "1")

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
 
 from plinth_plugin_cpu.isa import ISA_ENV, effective_isa, hardware_isa, machine, native_bf16
+from plinth_plugin_cpu.threads import BIND_ENV, bind_threads
 
 log = logging.getLogger("plinth.cpu")
 
@@ -77,6 +78,9 @@ class CPUAccelerator(Accelerator):
         threads = options.get("cpu_threads") or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads:
             torch.set_num_threads(int(threads))
+        setting = options.get("cpu_bind") or os.environ.get(BIND_ENV) or "none"
+        if setting != "none":
+            log.info("cpu: %s", bind_threads(setting, threads=torch.get_num_threads(), local_rank=local_rank))
 
     def memory(self, index: int = 0) -> tuple[int, int]:
         return _meminfo()

@@ -18,3 +18,8 @@ def plinth_register_accelerators():
 @hookimpl
 def plinth_add_cli_arguments(parser):
     parser.add_argument("--cpu-threads", type=int, default=None, help="cpu: torch intra-op threads")
+    parser.add_argument(
+        "--cpu-bind", default=None, metavar="auto|none|LIST",
+        help="cpu: pin the model's OpenMP threads one per core: auto (the process's allowed cores; each rank of a node "
+        "its own slice), a cpulist such as 0-3, or none (the default; also PLINTH_CPU_BIND)",
+    )
