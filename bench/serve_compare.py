@@ -946,6 +946,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results" / "serve"))
     p.add_argument("--hf-dir", default=None, help="reuse a converted HF folder (default: a new temporary one)")
+    p.add_argument("--from-summary", default=None, metavar="SUMMARY.json",
+                   help="run nothing: rewrite the docs (or, with --no-docs, print) from a run's summary.json")
     p.add_argument("--_prepare", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -980,6 +982,9 @@ def main() -> int:
     if args._prepare:
         prepare_hf_folder(Path(args._prepare))
         return 0
+    if args.from_summary:  # only the report, from a finished run
+        summary = json.loads(Path(args.from_summary).read_text())
+        return report(summary, Path(args.from_summary).parent, no_docs=args.no_docs)
     peers, judges = choose(args)
     cpu = plinth_cpu()
     if args.dtype is None:
@@ -1089,17 +1094,32 @@ def main() -> int:
         tmp.cleanup()
 
     info["errors"] = errors
+    summary = {
+        "machine": info, "started": started, "elapsed_s": time.monotonic() - t_start, "command": command,
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "dtype": args.dtype, "peers": peers,
+        "judges": judges, "repeats": args.repeats, "transformers_cb_args": TRANSFORMERS_CB_ARGS,
+        "server_start_s": starts, "offline": offline, "batch1": batch1, "errors": errors,
+        "runs": {n: {j: {str(c): rs for c, rs in by_c.items()} for j, by_c in by_j.items()} for n, by_j in runs.items()},
+    }
+    return report(summary, out_dir, no_docs=args.no_docs)
+
+
+def report(summary: dict, out_dir: Path, no_docs: bool) -> int:
+    """Aggregate, save summary.json, print the sections, write the docs and plots; also from a saved
+    summary.json (--from-summary), without running anything."""
+    args = argparse.Namespace(**summary["args"])
+    info, peers, judges = summary["machine"], summary["peers"], summary["judges"]
+    runs = {n: {j: {int(c): rs for c, rs in by_c.items()} for j, by_c in by_j.items()}
+            for n, by_j in summary["runs"].items()}
+    concs = sorted(args.concurrency)
+    offline, batch1, starts = summary["offline"], summary["batch1"], summary["server_start_s"]
+    command, started, elapsed = summary["command"], summary["started"], summary["elapsed_s"]
     agg = {n: {j: {c: aggregate(rs) for c, rs in by_c.items()} for j, by_c in by_j.items()}
            for n, by_j in runs.items()}
-    elapsed = time.monotonic() - t_start
-    summary = {
-        "machine": info, "started": started, "elapsed_s": elapsed, "command": command, "dtype": args.dtype,
-        "peers": peers, "judges": judges, "repeats": args.repeats, "transformers_cb_args": TRANSFORMERS_CB_ARGS,
-        "server_start_s": starts, "offline": offline, "batch1": batch1, "errors": errors,
-        "targets": [dict(r, ratio=list(r["ratio"])) for r in target_rows(agg, judges, concs)],
-        "runs": {n: {j: {str(c): rs for c, rs in by_c.items()} for j, by_c in by_j.items()} for n, by_j in runs.items()},
-        "aggregate": {n: {j: {str(c): a for c, a in by_c.items()} for j, by_c in by_j.items()} for n, by_j in agg.items()},
-    }
+    summary["targets"] = [dict(r, ratio=list(r["ratio"])) for r in target_rows(agg, judges, concs)]
+    summary["aggregate"] = {n: {j: {str(c): a for c, a in by_c.items()} for j, by_c in by_j.items()}
+                            for n, by_j in agg.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"wrote {out_dir / 'summary.json'}")
     texts = []
@@ -1114,7 +1134,7 @@ def main() -> int:
         series = [(f"{n} ({j})", agg[n][j]) for n in ["plinth", name] if n in agg for j in judges if j in agg[n]]
         title = (f"SmolLM2-135M-Instruct, {args.dtype}, {info['cores']} CPU cores: platform serve vs "
                  f"{name} serve ({args.repeats} repeat(s), min-max bars)")
-        if args.no_docs:
+        if no_docs:
             plot(series, concs, out_dir / f"compare-{name}.png", title, offline)
         elif name == "transformers":
             plot(series, concs, DOC_PLOT, title, offline)
@@ -1122,7 +1142,7 @@ def main() -> int:
         else:
             plot(series, concs, DOC_PLOT_VLLM, title, offline)
             write_doc(text, VBEGIN, VEND, after=("<!-- serving-notes:end -->", END))
-    if texts and not args.no_docs:
+    if texts and not no_docs:
         log(f"wrote {DOC}")
     return 0
 
