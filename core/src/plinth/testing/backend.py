@@ -113,6 +113,44 @@ def _check_attention(report: Report, ops: Any, ref: Any, dtype: Any, device: Any
     _close(report, f"{label}, forked decode against the reference", outs[0], outs[1], tol)
 
 
+def _check_qkv_attention(report: Report, ops: Any, ref: Any, dtype: Any, device: Any, tol: float, *, page_size: int, heads: tuple[int, int]) -> None:
+    """The fused op against the reference's rotary then attention, over the
+    same steps as ``_check_attention`` (prefill, prefix chunk + decode, decodes)."""
+    import torch
+
+    g = torch.Generator().manual_seed(page_size * 37 + heads[0])
+    num_heads, num_kv = heads
+    dim, num_pages = 32, 64
+    label = f"qkv_attention ({dtype}, page size {page_size}, {num_heads}/{num_kv} heads)"
+    caches = [
+        table.allocate_kv_cache(
+            num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype, device=device,
+        )
+        for table in (ops, ref)
+    ]
+    pages = torch.randperm(num_pages, generator=g).tolist()
+    tables = [pages[0:12], pages[12:24]]
+    cos_sin = torch.cat([torch.rand(64, dim // 2, generator=g) * 6.28] * 2, dim=1).to(device)
+    cos_sin[:, : dim // 2].cos_()
+    cos_sin[:, dim // 2 :].sin_()
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv, head_dim=dim, scale=dim**-0.5, sliding_window=None)
+    for i, seqs in enumerate([[(0, 20), (0, 5)], [(20, 9), (5, 1)], [(29, 1), (6, 1)], [(30, 1), (7, 1)]]):
+        t = sum(n for _, n in seqs)
+        qkv = torch.randn(t, (num_heads + 2 * num_kv) * dim, generator=g).to(dtype).to(device)
+        outs = []
+        for table, cache in zip((ops, ref), caches):
+            meta = _meta(seqs, tables, page_size, device)
+            table.prepare_attention(meta)
+            if table is ops:
+                outs.append(ops.qkv_attention(qkv, meta.positions, cos_sin, True, cache, meta, **kw))
+            else:
+                q, k, v = qkv.split((num_heads * dim, num_kv * dim, num_kv * dim), dim=-1)
+                q, k = ref.rotary(q.reshape(t, num_heads, dim), k.reshape(t, num_kv, dim), meta.positions, cos_sin, True)
+                out = ref.attention(q, k, v.reshape(t, num_kv, dim), cache, meta, scale=dim**-0.5)
+                outs.append(out.reshape(t, -1))
+        _close(report, f"{label}, step {i + 1} {seqs}", outs[0], outs[1], tol)
+
+
 def check_backend(
     name: str,
     *,
@@ -211,7 +249,9 @@ def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, d
             for heads in ((6, 2), (4, 4)):
                 _check_attention(report, ops, ref, dtype, device, tol, page_size=page_size, heads=heads, window=None)
         _check_attention(report, ops, ref, dtype, device, tol, page_size=7, heads=(6, 2), window=9)
-    if "fused_moe" in mine:
+    if "qkv_attention" in mine:
+        for page_size in (16, 7):
+            _check_qkv_attention(report, ops, ref, dtype, device, tol, page_size=page_size, heads=(6, 2))
         _check_fused_moe(report, ops, ref, rand, g, dtype, device, tol)
 
 
