@@ -225,7 +225,8 @@ def make_server(name: str, args: argparse.Namespace, hf_dir: Path, gguf: str, po
     if name == "plinth":
         model = gguf if args.plinth_gguf else str(hf_dir)
         return Server(name, [PLATFORM, "serve", model, *host, "--dtype", args.dtype, "--served-model-name",
-                             SERVED_NAME], env, "/health", SERVED_NAME, ("platform", "vllm"))
+                             SERVED_NAME, *shlex.split(args.plinth_args)], env, "/health", SERVED_NAME,
+                      ("platform", "vllm"))
     if name == "vllm":
         venv = Path(args.vllm_venv)
         venv_env = dict(env, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=cpu_list(os.sched_getaffinity(0)),
@@ -927,6 +928,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="every server's dtype (default: what plinth's accelerator picks on this CPU)")
     p.add_argument("--plinth-gguf", action="store_true",
                    help="plinth serves the GGUF file itself instead of the converted folder")
+    p.add_argument("--plinth-args", default="", metavar="ARGS",
+                   help="more `platform serve` arguments, one string (e.g. '--cpu-bind auto')")
     p.add_argument("--llamacpp", action="store_true",
                    help="batch-1 decode: llama.cpp and plinth on the GGUF file (llama_cpp here or --llamacpp-venv)")
     p.add_argument("--llamacpp-venv", default=None, help="a venv whose Python imports llama_cpp")

@@ -46,8 +46,8 @@ def test_servers_share_folder_dtype_and_name(sc):
     assert v.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and v.env["X"] == "1"
     assert p.model == v.model == sc.SERVED_NAME and set(p.judges) == set(v.judges) == {"platform", "vllm"}
     assert t.judges == ("platform",) and t.cmd[t.cmd.index("--dtype") + 1] == "bfloat16"
-    gguf = sc.make_server("plinth", _args(sc, "--plinth-gguf"), hf, "/m.gguf", 1, {})
-    assert gguf.cmd[2] == "/m.gguf"
+    gguf = sc.make_server("plinth", _args(sc, "--plinth-gguf", "--plinth-args", "--cpu-bind auto"), hf, "/m.gguf", 1, {})
+    assert gguf.cmd[2] == "/m.gguf" and gguf.cmd[-2:] == ["--cpu-bind", "auto"]
 
 
 def test_vllm_judge_command(sc):
