@@ -58,7 +58,7 @@ class GGUFWeights:
             self._choose(set(formats), num_layers)
             types = Counter(gguf.tensor_type(n) for n in self.kept)
             rest = Counter(gguf.tensor_type(n) for n in quantized if n not in self.kept and n != EMBEDDING)
-            head = "the tied output head (the embedding's blocks)" if self.tied_head else "the output head" if OUTPUT in self.kept else "no output head"
+            head = "the tied output head (the embedding's blocks)" if self.tied_head else "the output head" if OUTPUT in self.kept else "not the output head"
             self.why = (
                 f"{len(self.kept)} linear weights kept in their blocks ({', '.join(f'{c} {t}' for t, c in sorted(types.items()))}; "
                 f"{head}), the backend's {path}; embedding dequantized to {dtype}"
