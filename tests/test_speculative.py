@@ -537,12 +537,13 @@ def test_cost_model_keeps_proposals_only_where_they_pay(target, machine):
     assert s["spec_acceptance_rate"] == 1.0
     if machine == "compute-bound":
         assert s["spec_trimmed_tokens"] > 0
-        # exploration only: one step with all proposals per batch size seen
-        assert s["spec_verified_steps"] <= 2 * len(prompts)
-        assert s["spec_proposed_tokens"] < 0.25 * len(prompts) * params.max_tokens
+        # measuring only: per batch size one step, then probes after 8 and 16 idle
+        # steps, each at most one proposal per sequence
+        assert s["spec_proposed_tokens"] <= 3 * len(prompts) + 4
     else:
         assert s["spec_mean_accepted_length"] > 4.5  # k = 4 nearly every step
-        assert s["spec_trimmed_tokens"] <= 4 * len(prompts)  # the one plain step that measures t0
+        # measuring only: the plain step for t0, then one proposal each for c
+        assert s["spec_trimmed_tokens"] <= (4 + 3) * len(prompts)
 
 
 def test_cost_model_plan():
@@ -553,8 +554,8 @@ def test_cost_model_plan():
     assert m.plan(16, [(0.9, 4)] * 16) == [0] * 16  # nothing measured: a plain step first
     for _ in range(3):
         m.observe(16, 0, 0.032)
-    assert m.plan(16, [(0.9, 4)] * 16) == [4] * 16  # then one with everything
-    m.observe(16, 64, 0.096)  # 1 ms per scored position, 2 ms per token in a plain step
+    assert m.plan(16, [(0.9, 4)] * 16) == [1] * 16  # then one with proposals: one each
+    m.observe(16, 16, 0.048)  # 1 ms per scored position, 2 ms per token in a plain step
     assert m.costs(16) == pytest.approx((0.032, 0.001))
     # a position is worth 1 ms only if it passes with a chance above ~1/2 (and above
     # the rate the kept ones reach): 0.9, 0.81, 0.73, 0.66 pass it, 0.3 never does
@@ -565,3 +566,7 @@ def test_cost_model_plan():
     assert m.plan(1, [(0.3, 4)]) == [4]
     assert m.plan(1, [(0.01, 4)]) == [1]  # 0.01 beats 0.1 ms / 20 ms; 0.003 does not
     assert m.plan(1, [(0.003, 4)]) == [0]
+    # where nothing is kept, the cost is probed again after 8, 16, 32, then every 64 steps
+    probes = [i for i in range(1, 300) if m.plan(16, [(0.3, 4), (0.2, 4)]) != [0, 0]]
+    assert probes == [8, 24, 56, 120, 184, 248]
+    assert m.plan(16, [(0.3, 4), (0.2, 4)] * 10) == [0, 0] * 10
