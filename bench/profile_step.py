@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dequantize", action="store_true", help="GGUF weights dequantized at load (else as the backend runs them)")
+    ap.add_argument("--cpu-bind", default=None, help="the cpu plugin's --cpu-bind for the all-threads run (auto, a cpulist)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -180,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         threads = 1 if mode == "cpu_1_thread" else threads_all
         clock = time.thread_time_ns if mode == "cpu_1_thread" else time.perf_counter_ns
         for i, batch in enumerate(batches or [0]):
-            llm = LLM(plugin_options={"cpu_threads": threads}, load_progress=False, **kwargs)
+            options: dict[str, Any] = {"cpu_threads": threads}
+            if args.cpu_bind and threads > 1:
+                options["cpu_bind"] = args.cpu_bind
+            llm = LLM(plugin_options=options, load_progress=False, **kwargs)
             torch.set_num_threads(threads)
             engine = llm.engine
             out.setdefault("device", getattr(engine, "device_description", None))
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     out["load_after"] = os.getloadavg()
     out["dtype"] = args.dtype or "default"
     out["isa"] = os.environ.get("PLINTH_CPU_ISA", "all the CPU has")
+    out["cpu_bind"] = args.cpu_bind or "none"
     print(render(out))
     if args.json:
         with open(args.json, "w") as f:
@@ -200,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(out: dict[str, Any]) -> str:
-    lines = [f"load average before {out['load_before'][0]:.2f}, after {out['load_after'][0]:.2f}; dtype {out['dtype']}; PLINTH_CPU_ISA: {out['isa']}"]
+    lines = [
+        f"load average before {out['load_before'][0]:.2f}, after {out['load_after'][0]:.2f}; dtype {out['dtype']}; "
+        f"PLINTH_CPU_ISA: {out['isa']}; threads bound: {out['cpu_bind']}"
+    ]
     cpu, wall = out.get("cpu_1_thread", {}), out.get("wall_all_threads", {})
     for part in cpu:
         c, w = cpu[part], wall.get(part)
