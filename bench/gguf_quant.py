@@ -2,6 +2,7 @@
 accuracy and batch-1 decode speed (issue 12), on SmolLM2-135M-Instruct Q4_1.
 
     .venv/bin/python bench/gguf_quant.py [--prompts 50] [--tokens 32] [--skip speed]
+    .venv/bin/python bench/gguf_quant.py --crossover   # integer kernel vs dequantize + GEMM by rows
 
 Accuracy, in one process, the cpukernels backend, against the dequantized
 model in float32 (the GGUF weights exactly):
@@ -140,6 +141,50 @@ def accuracy(args) -> dict:
     return result
 
 
+# ---- crossover -------------------------------------------------------------------------------
+
+
+def crossover(rows: list[int]) -> dict:
+    """Integer kernel vs dequantize-a-tile + GEMM, per activation row count M,
+    on SmolLM2's linear shapes (random Q4_1 blocks; the head Q8_0), in CPU ms
+    on one thread (thread_time: little disturbed by other processes)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+    from plinth.api import load_accelerator
+    from plinth_plugin_cpukernels.backend import bf16_gemm_missing
+    from plinth_plugin_cpukernels.quant import GGUFLinear, load_quant_kernels, make_gguf_linear
+
+    torch.set_num_threads(1)
+    isa = load_accelerator("cpu").info().isa
+    kernels = load_quant_kernels(isa)
+    bf16 = bf16_gemm_missing(tuple(isa)) is None
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    integer = make_gguf_linear(kernels, bf16_gemm=bf16, gemm_min_rows=1 << 30)
+    gemm = make_gguf_linear(kernels, bf16_gemm=bf16, gemm_min_rows=0)
+    shapes = {"qkv": ("Q4_1", 960, 576), "o_proj": ("Q4_1", 576, 576), "gate_up": ("Q4_1", 3072, 576), "down": ("Q4_1", 576, 1536), "head": ("Q8_0", 49152, 576)}
+    out: dict = {"kernel": kernels.gguf_kernel_path(), "dtype": str(dtype), "shapes": {}}
+
+    def cpu_ms(f, x, w) -> float:
+        best = float("inf")
+        for _ in range(5):
+            t = time.thread_time()
+            f(x, w)
+            best = min(best, time.thread_time() - t)
+        return best * 1e3
+
+    for name, (qtype, n, k) in shapes.items():
+        q = quants.quantize(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32), getattr(GGMLQuantizationType, qtype))
+        w = GGUFLinear(torch.from_numpy(q), qtype, (n, k))
+        rows_out = {}
+        for m in rows:
+            x = torch.randn(m, k).to(dtype)
+            rows_out[m] = {"integer_ms": cpu_ms(integer, x, w), "gemm_ms": cpu_ms(gemm, x, w)}
+        out["shapes"][name] = rows_out
+        print(name, {m: f"{v['integer_ms']:.3f}/{v['gemm_ms']:.3f}" for m, v in rows_out.items()}, file=sys.stderr)
+    return out
+
+
 # ---- speed ---------------------------------------------------------------------------------
 
 
@@ -196,12 +241,16 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="", help="comma-separated: accuracy, speed")
+    parser.add_argument("--crossover", action="store_true", help="only: integer kernel vs dequantize + GEMM by batch rows")
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
     parser.add_argument("--_speed-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._speed_one:
         o = json.loads(args._speed_one)
         print(json.dumps(decode_speed(o["dtype"], o["dequantize"], o["decode_tokens"], o["repeats"])))
+        return 0
+    if args.crossover:
+        print(json.dumps(crossover([1, 2, 4, 8, 12, 16, 24, 32, 48, 64]), indent=2))
         return 0
     skip = set(filter(None, args.skip.split(",")))
     result = {"command": " ".join(["bench/gguf_quant.py", *sys.argv[1:]]), "load_start": load_average()}

@@ -10,7 +10,11 @@ file's rows of blocks, uint8 [out, in / block * bytes]) into a ``GGUFLinear``;
 * otherwise (prefill): a tile of weight rows at a time dequantized by the C++
   kernel into a bfloat16 (or float32) scratch and multiplied by oneDNN's GEMM,
   so prefill runs at matmul speed. The crossover was measured on this
-  project's 2-core AVX-512 machine (bench/gguf_quant.py --crossover).
+  project's 2-core AVX-512 VNNI machine (bench/gguf_quant.py --crossover,
+  SmolLM2's shapes, one thread): the integer kernel is faster up to 8 rows
+  (2-5x at 1 row), even at 12, and the GEMM from 16 on (2-3x at 64). The
+  integer kernel's cost grows with each row (its work is the multiplies, not
+  the weight reads, once the weights are in cache).
 
 torch is imported inside functions.
 """
@@ -33,7 +37,7 @@ GGUF_FORMATS = {
     "Q6_K": (5, 256, 210),
 }
 #: activation rows from which linear dequantizes a tile and runs a GEMM
-GEMM_MIN_ROWS = 32
+GEMM_MIN_ROWS = 12
 #: bytes of dequantized weights per GEMM tile (stays in L2/L3)
 GEMM_TILE_BYTES = 4 << 20
 
