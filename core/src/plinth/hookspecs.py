@@ -468,10 +468,20 @@ BASE_OPS: tuple[str, ...] = (
 
 @dataclass
 class QuantizedWeight:
-    """A weight stored in a quantized format, handed to ``linear``.
+    """A weight stored in a quantized format, handed to ``pack_linear``.
 
-    format: "fp8_e4m3" (per-channel or block scales), "int8", ...
-    A backend that cannot run a format says so in ``check``.
+    format: "fp8_e4m3" (per-channel or block scales), "int8", ...; or
+    "gguf_<type>" (``gguf_q4_0``, ``gguf_q4_1``, ``gguf_q8_0``, ``gguf_q4_k``,
+    ``gguf_q5_k``, ``gguf_q6_k``, ...: the GGML type name, lower case): qweight
+    is the GGUF file's rows of blocks as they are, uint8 [out, in / weights
+    per block * bytes per block] (rows may be permuted or stacked, never cut
+    inside a row), scale is empty (the scales live in the blocks), block_size
+    is (1, weights per block).
+
+    A model loader hands a backend only the formats it says it runs: FP8 when
+    the op table has the op ``fp8_path() -> (path, why)``, GGUF types when it
+    has ``gguf_formats() -> (type names, path)`` (ops a backend brings of its
+    own; the loader logs the path and dequantizes what is not offered).
     """
 
     format: str

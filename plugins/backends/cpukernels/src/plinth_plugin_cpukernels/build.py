@@ -22,6 +22,9 @@ def main() -> int:
     isa = accelerator.info().isa
     t = time.perf_counter()
     load_kernels(isa)
+    from plinth_plugin_cpukernels.quant import load_quant_kernels
+
+    load_quant_kernels(isa)  # the GGUF kernels, built otherwise on the first GGUF model
     flags = " ".join(isa_cflags(isa)) or "a generic build"
     print(f"cpukernels: kernels ready for {','.join(isa) or 'no known extensions'} ({flags}; {time.perf_counter() - t:.1f} s)")
     return 0
