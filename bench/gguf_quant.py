@@ -254,8 +254,13 @@ def main() -> int:
         return 0
     skip = set(filter(None, args.skip.split(",")))
     result = {"command": " ".join(["bench/gguf_quant.py", *sys.argv[1:]]), "load_start": load_average()}
+    def save() -> None:  # after each part: a long run cut short keeps what it measured
+        if args.save_result:
+            pathlib.Path(args.save_result).write_text(json.dumps(result, indent=2))
+
     if "speed" not in skip:
         result["speed"] = speed(args)
+        save()
     if "accuracy" not in skip:
         result["accuracy"] = accuracy(args)
     result["load_end"] = load_average()
