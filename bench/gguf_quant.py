@@ -10,7 +10,8 @@ model in float32 (the GGUF weights exactly):
   integer kernel), max and mean |difference|, for the quantized model in
   float32 and, as a yardstick, the dequantized model in bfloat16;
 * greedy agreement: the first ``--tokens`` generated tokens of ``--prompts``
-  prompts (EOS ignored): fraction identical, mean matching prefix;
+  prompts, each alone (batch 1: the integer kernel; EOS ignored): fraction
+  identical, mean matching prefix;
 * perplexity of bench/data/declaration_of_independence.txt, one token a step
   (the integer kernel), and in 256-token chunks (prefill: the GEMM path).
 
@@ -112,12 +113,15 @@ def accuracy(args) -> dict:
         encode = llm.get_tokenizer().encode
         prompt_ids = [encode(p) for p in texts]
         text_ids = text_ids or encode(TEXT.read_text())[: args.ppl_tokens]
+        parts = set(args.accuracy_parts.split(","))
         with torch.no_grad():
-            logits = [prompt_logits(llm, ids) for ids in prompt_ids]
-        greedy = [o.outputs[0].token_ids for o in llm.generate(texts, params)]
+            logits = [prompt_logits(llm, ids) for ids in prompt_ids] if "logits" in parts else []
+        # one prompt at a time: batch-1 decode, the integer kernel (a batch of
+        # 12 or more sequences would take the GEMM path)
+        greedy = [llm.generate([p], params)[0].outputs[0].token_ids for p in texts] if "greedy" in parts else []
         t = time.perf_counter()
-        ppl_decode = perplexity(llm, text_ids, 1)
-        ppl_prefill = perplexity(llm, text_ids, 256)
+        ppl_decode = perplexity(llm, text_ids, 1) if "ppl" in parts else float("nan")
+        ppl_prefill = perplexity(llm, text_ids, 256) if "ppl" in parts else float("nan")
         runs[name] = dict(logits=logits, greedy=greedy, ppl_decode=ppl_decode, ppl_prefill=ppl_prefill, ppl_s=time.perf_counter() - t)
         del llm
     ref = runs["dequantized fp32"]
@@ -127,14 +131,14 @@ def accuracy(args) -> dict:
         same = [a == b for a, b in zip(run["greedy"], ref["greedy"])]
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(run["greedy"], ref["greedy"])]
         result["models"][name] = {
-            "logits_max_abs_diff": max(d.max().item() for d in diffs),
-            "logits_mean_abs_diff": statistics.fmean(d.mean().item() for d in diffs),
-            "logits_scale_mean_abs": statistics.fmean(x.abs().mean().item() for x in ref["logits"]),
-            "greedy_identical": sum(same) / len(same),
-            "greedy_mean_matching_prefix": statistics.fmean(prefix),
+            "logits_max_abs_diff": max((d.max().item() for d in diffs), default=float("nan")),
+            "logits_mean_abs_diff": statistics.fmean(d.mean().item() for d in diffs) if diffs else float("nan"),
+            "logits_scale_mean_abs": statistics.fmean(x.abs().mean().item() for x in ref["logits"]) if diffs else float("nan"),
+            "greedy_identical": sum(same) / len(same) if same else float("nan"),
+            "greedy_mean_matching_prefix": statistics.fmean(prefix) if prefix else float("nan"),
             "top1_agreement_prefill": statistics.fmean(
                 (a.argmax(-1) == b.argmax(-1)).float().mean().item() for a, b in zip(run["logits"], ref["logits"])
-            ),
+            ) if diffs else float("nan"),
             "perplexity_one_token_steps": run["ppl_decode"],
             "perplexity_256_token_chunks": run["ppl_prefill"],
         }
@@ -241,6 +245,7 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="", help="comma-separated: accuracy, speed")
+    parser.add_argument("--accuracy-parts", default="logits,greedy,ppl", help="comma-separated: logits, greedy, ppl")
     parser.add_argument("--crossover", action="store_true", help="only: integer kernel vs dequantize + GEMM by batch rows")
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
     parser.add_argument("--_speed-one", default=None, help=argparse.SUPPRESS)
