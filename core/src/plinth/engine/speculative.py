@@ -35,7 +35,6 @@ nearly what a token costs, so only proposals likely to pass are worth it.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -116,13 +115,14 @@ class StepCostModel:
     measured on this machine while the engine runs, and which proposals
     that makes worth scoring.
 
-    Model: t(B, X) = t0(B) + c(B) * X. t0 is the median time of recent steps
-    of B sequences without proposals; c, the cost of one more scored
-    position, is the median over recent steps with proposals of
-    (t - t0) / X (medians: the machine is shared, and a stray slow step must
-    not flip the decision). Nothing is assumed about the hardware: where a
-    step is bound by reading the weights c comes out near 0, where it is
-    compute-bound near t0 / B.
+    Model: t(B, X) = t0(B) + c(B) * X. t0 is the fastest of the recent
+    steps of B sequences without proposals; c, the cost of one more scored
+    position, the smallest (t - t0) / X over recent steps with proposals.
+    The lowest, not the median: on a shared machine contention only ever
+    adds time, and a few slow steps must not switch speculation off (at
+    batch 1 a median over a handful of samples did). Nothing is assumed
+    about the hardware: where a step is bound by reading the weights c
+    comes out near 0, where it is compute-bound near t0 / B.
 
     Decision: position j of a sequence whose positions pass with probability
     a each passes with probability a^j (it needs all before it), and adds
@@ -158,8 +158,8 @@ class StepCostModel:
         b = self.batches.get(num_seqs)
         if b is None or not b.plain or not b.spec:
             return None
-        t0 = statistics.median(b.plain)
-        c = statistics.median((t - t0) / x for x, t in b.spec)
+        t0 = min(b.plain)
+        c = min((t - t0) / x for x, t in b.spec)
         return t0, max(c, 0.0)
 
     def plan(self, num_seqs: int, offers: Seq[tuple[float, int]]) -> list[int]:
