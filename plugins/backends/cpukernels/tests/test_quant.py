@@ -188,3 +188,34 @@ def test_the_backend_keeps_gguf_weights_in_blocks():
     torch.testing.assert_close(ops["linear"](x, packed), x @ dense.t(), rtol=0, atol=2e-2 * (x @ dense.t()).abs().max().item())
     plain = ops["pack_linear"](dense)
     torch.testing.assert_close(ops["linear"](x, plain), x @ dense.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_large_batches_use_the_dense_copy_and_small_ones_the_blocks(monkeypatch):
+    """With the model's dtype known, pack keeps a dequantized, packed copy
+    (within the memory budget) that batches of GEMM_MIN_ROWS rows and more
+    multiply exactly as the dequantized weight; smaller batches run the
+    integer kernel on the blocks. Without budget, no copy: the tiles."""
+    from plinth.api import load_accelerator
+    from plinth_plugin_cpukernels import quant
+    from plinth_plugin_cpukernels.backend import CPUKernelsBackend
+    from plinth_plugin_cpukernels.gemm import PackedLinear
+    from plinth_plugin_torch.backend import TorchBackend
+
+    accelerator = load_accelerator("cpu")
+    ctx = SelectionContext(accelerator=accelerator, dtype=torch.float32)
+    blocks, dense = random_blocks("Q4_1", 48, 128, seed=3)
+    weight = QuantizedWeight(format="gguf_q4_1", qweight=blocks, scale=torch.empty(0), shape=(48, 128), block_size=(1, 32))
+    ops = CPUKernelsBackend(ctx, TorchBackend(ctx).ops()).ops()
+    packed = ops["pack_linear"](weight)
+    assert type(packed.dense) is PackedLinear
+    big = torch.randn(quant.GEMM_MIN_ROWS, 128)
+    torch.testing.assert_close(ops["linear"](big, packed), big @ dense.t(), rtol=1e-5, atol=1e-4)
+    small = torch.randn(3, 128)
+    want = small @ dense.t()
+    got = ops["linear"](small, packed)  # int8 activations: close, not exact as the dense copy is
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+    assert (got - want).abs().max().item() > 1e-4
+    monkeypatch.setattr(quant, "DENSE_COPY_SHARE", 0.0)
+    ops = CPUKernelsBackend(ctx, TorchBackend(ctx).ops()).ops()
+    assert ops["pack_linear"](weight).dense is None
+    torch.testing.assert_close(ops["linear"](big, ops["pack_linear"](weight)), big @ dense.t(), rtol=1e-5, atol=1e-4)

@@ -14,7 +14,14 @@ from typing import Any, Callable, Mapping
 from plinth.api import Backend, PluginError, QuantizedWeight, SelectionContext
 
 from plinth_plugin_cpukernels.gemm import DTYPE_NAMES, PackedLinear, make_linear, pack_linear
-from plinth_plugin_cpukernels.quant import GGUF_FORMATS, GGUFLinear, GGUFOps, format_name, gguf_kernel_path
+from plinth_plugin_cpukernels.quant import (
+    GEMM_MIN_ROWS,
+    GGUF_FORMATS,
+    GGUFLinear,
+    GGUFOps,
+    format_name,
+    gguf_kernel_path,
+)
 
 #: oneDNN runs bfloat16 GEMMs only with one of these (torch checks the same
 #: before its bf16 path and raises otherwise): AVX-512 BW+VL+DQ, AVX-NE-CONVERT
@@ -91,7 +98,15 @@ class CPUKernelsBackend(Backend):
 
             bf16_gemm = bf16_gemm_missing(isa) is None
             dense_linear = make_linear(ref_linear)
-            gguf = GGUFOps(isa, bf16_gemm)
+            # large batches on GGUF weights: a dequantized copy in the compute dtype, packed like any dense weight
+            dtype = self.ctx.dtype
+            dense_dtype = dtype if str(dtype) in ("torch.float32", "torch.bfloat16") and (bf16_gemm or str(dtype) == "torch.float32") else None
+
+            def dense_pack(w: Any) -> Any:
+                packed = pack_linear(w, bf16=bf16_gemm)
+                return packed if type(packed) is PackedLinear else None
+
+            gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype)
 
             def pack(weight: Any) -> Any:
                 if isinstance(weight, QuantizedWeight) and format_name(weight.format):
@@ -101,6 +116,8 @@ class CPUKernelsBackend(Backend):
 
             def linear(x: Any, weight: Any, bias: Any = None) -> Any:
                 if type(weight) is GGUFLinear:
+                    if weight.dense is not None and x.numel() >= GEMM_MIN_ROWS * weight.in_features:
+                        return dense_linear(x, weight.dense, bias)
                     return gguf.linear(x, weight, bias)
                 return dense_linear(x, weight, bias)
 

@@ -60,7 +60,7 @@ def format_name(fmt: str) -> str | None:
 class GGUFLinear:
     """A GGUF weight in its file blocks, with what linear needs to know."""
 
-    __slots__ = ("blocks", "code", "type_name", "out_features", "in_features")
+    __slots__ = ("blocks", "code", "type_name", "out_features", "in_features", "dense")
 
     def __init__(self, blocks: Any, type_name: str, shape: tuple[int, int]) -> None:
         import torch
@@ -73,8 +73,13 @@ class GGUFLinear:
         self.code = code
         self.type_name = type_name
         self.out_features, self.in_features = n, k
+        #: the weight dequantized once and packed for oneDNN (``GGUFOps.dense_budget``),
+        #: which batches of ``GEMM_MIN_ROWS`` rows and more multiply; None: they
+        #: dequantize a tile at a time on every call
+        self.dense: Any = None
 
     def nbytes(self) -> int:
+        """Bytes a decode step reads: the blocks (the dense copy serves only large batches)."""
         return self.blocks.numel()
 
     def dequantize(self, kernels: Any, bf16: bool, rows: tuple[int, int] | None = None) -> Any:
@@ -138,20 +143,57 @@ def gguf_kernel_path(isa: Iterable[str]) -> str:
     return "scalar"
 
 
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+#: the share of the memory available at the first GGUF weight that dense
+#: copies for large batches may take
+DENSE_COPY_SHARE = 0.25
+
+
 class GGUFOps:
     """pack and linear for GGUF weights; the kernels are built on the first
-    GGUF weight (a model without one never waits for that compiler run)."""
+    GGUF weight (a model without one never waits for that compiler run).
 
-    def __init__(self, isa: Iterable[str], bf16_gemm: bool) -> None:
+    Dequantizing a tile on every call makes a batch of 16 rows cost twice a
+    dense bf16 step (each call writes the whole weight out again), so while
+    they fit in a quarter of the memory available at load, weights also keep
+    a dequantized copy in oneDNN's packed layout (``dense_pack``) that the
+    backend's linear takes for batches of ``GEMM_MIN_ROWS`` rows and more
+    (prefill, concurrent decode); decode batches still read only the blocks.
+    Beyond that budget, the tiles."""
+
+    def __init__(self, isa: Iterable[str], bf16_gemm: bool, *, dense_pack: Callable[[Any], Any] | None = None, dense_dtype: Any = None) -> None:
         self.isa = tuple(isa)
         self.bf16_gemm = bf16_gemm
+        self.dense_pack, self.dense_dtype = dense_pack, dense_dtype
+        self.dense_budget: int | None = None
+        self._kernels: Any = None
         self._linear: Callable[..., Any] | None = None
 
     def pack(self, weight: Any) -> GGUFLinear:
         if self._linear is None:
-            self._linear = make_gguf_linear(load_quant_kernels(self.isa), bf16_gemm=self.bf16_gemm)
+            self._kernels = load_quant_kernels(self.isa)
+            self._linear = make_gguf_linear(self._kernels, bf16_gemm=self.bf16_gemm)
+            self.dense_budget = int(_available_memory() * DENSE_COPY_SHARE)
         packed = pack(weight)
         assert packed is not None
+        if self.dense_pack is not None and self.dense_dtype is not None:
+            import torch
+
+            bf16 = self.dense_dtype == torch.bfloat16
+            size = packed.out_features * packed.in_features * (2 if bf16 else 4)
+            if self.dense_budget is not None and size <= self.dense_budget:
+                self.dense_budget -= size
+                packed.dense = self.dense_pack(packed.dequantize(self._kernels, bf16))
         return packed
 
     def linear(self, x: Any, weight: GGUFLinear, bias: Any = None) -> Any:
