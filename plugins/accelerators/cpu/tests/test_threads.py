@@ -31,10 +31,12 @@ def test_binding_pins_the_team_one_thread_per_core():
         def run():
             done["msg"] = bind_threads("auto", threads={threads})
             done["me"] = os.sched_getaffinity(0)
+            # while this thread lives (its team's workers end with it)
+            masks = [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
+            done["pinned"] = sum(1 for m in masks if len(m) == 1)
         t = threading.Thread(target=run); t.start(); t.join()
         print(done["msg"]); print(sorted(done["me"]))
-        masks = [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
-        print(sum(1 for m in masks if len(m) == 1))
+        print(done["pinned"])
         print(sorted(os.sched_getaffinity(0)) == {cores!r})  # the main thread is left alone
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
