@@ -126,3 +126,17 @@ def test_grammar_beats_min_tokens_ban_and_nothing_is_nan():
 def test_tiny_temperature_is_greedy():
     logits = torch.tensor([[1.0, 50.0, 3.0]])
     assert Sampler()(logits, [_row(SamplingParams(temperature=1e-9))])[0] == [1]
+
+
+def test_a_large_vocabulary_tail_keeps_its_mass_and_impossible_tokens_stay_impossible():
+    # half the mass on one token, half spread thin over 150k others; the first
+    # and last tokens are impossible (a draw is a search in float64 prefix sums)
+    vocab = 150_000
+    logits = torch.full((1, vocab), 0.0)
+    logits[0, 0] = logits[0, -1] = float("-inf")
+    logits[0, 7] = math.log(vocab - 3)  # as likely as all the rest together
+    draws = _draw(logits, SamplingParams(temperature=1.0), seed=3, n=2000)
+    head = sum(t == 7 for t in draws)
+    assert abs(head - 1000) < 4 * math.sqrt(2000 * 0.25)  # 4 sigma
+    assert 0 not in draws and vocab - 1 not in draws
+    assert len(set(draws)) > 900  # the tail is really sampled, not collapsed onto a few ids

@@ -86,25 +86,31 @@ def filtered_probs(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) 
     return probs
 
 
-def race(probs: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> torch.Tensor:
+def draw(probs: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> torch.Tensor:
     """One draw per row of probs (unnormalized is fine), row j for rows[idx[j]]."""
-    # sample by the exponential race: argmax(p / E), E ~ Exp(1); per-row
-    # generators make a seeded request independent of its batch neighbours
-    vocab = probs.shape[-1]
-    noise = torch.empty_like(probs)
+    # inverse CDF: one uniform per row against prefix sums accumulated in
+    # float64 (exact enough for the tail of a 150k vocabulary). An exponential
+    # race (argmax p / E) needs a noise value per token: 1.1 ms a row of 49k
+    # on one thread, 20x this. Per-row generators keep a seeded request
+    # independent of its batch neighbours.
+    n = probs.shape[0]
+    u = torch.empty(n, dtype=torch.float64)
     unseeded = [j for j, i in enumerate(idx) if rows[i].generator is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab, dtype=probs.dtype).exponential_()
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
     for j, i in enumerate(idx):
         g = rows[i].generator
         if g is not None:
-            noise[j] = torch.empty(vocab, dtype=probs.dtype).exponential_(generator=g)
-    return (probs / noise).argmax(dim=-1)
+            u[j] = torch.rand(1, dtype=torch.float64, generator=g)[0]
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    # right=True: cdf[t - 1] <= target < cdf[t], so a zero-probability token is never drawn
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _filter_and_sample(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> torch.Tensor:
     """Random sampling for rows idx; returns their token ids."""
-    return race(filtered_probs(logits, rows, idx), rows, idx)
+    return draw(filtered_probs(logits, rows, idx), rows, idx)
 
 
 def _logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:

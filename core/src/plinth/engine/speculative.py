@@ -46,7 +46,7 @@ import torch
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.outputs import TokenLogprobs
-from plinth.engine.sampler import SampleRow, _logprob_entries, filtered_probs, process_logits, race
+from plinth.engine.sampler import SampleRow, _logprob_entries, draw, filtered_probs, process_logits
 from plinth.engine.scheduler import ScheduledBatch
 from plinth.hookspecs import ProposeItem
 
@@ -374,7 +374,7 @@ class SpecDecoder:
             a = 0
             while a < n_rows:
                 if a == k:  # every proposal passed: the bonus token, drawn from p
-                    out.append(int(race(probs[a : a + 1], rows, [a])[0]))
+                    out.append(int(draw(probs[a : a + 1], rows, [a])[0]))
                     break
                 x = spec[a]
                 u = float(torch.rand(1, generator=g)) if g is not None else float(torch.rand(1))
@@ -386,7 +386,7 @@ class SpecDecoder:
                     continue
                 residual = probs[a : a + 1].clone()
                 residual[0, x] = 0.0  # normalize(max(0, p - q)) for a point mass q at x
-                out.append(int(race(residual, rows, [a])[0]))
+                out.append(int(draw(residual, rows, [a])[0]))
                 break
         accepted = min(a, k)
         lps: list[TokenLogprobs | None] = [None] * len(out)
