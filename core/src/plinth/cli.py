@@ -16,7 +16,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from plinth import __version__
-from plinth.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from plinth.engine.config import AUTO, parse_token_budget
 from plinth.errors import ConfigError, PlinthError
 from plinth.plugins import ALLOW_ENV, BLOCK_ENV, PluginRegistry, install_hint
 
@@ -77,7 +77,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB", help="memory for the KV pool")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, help="token budget of one step"
+        "--max-num-batched-tokens",
+        type=_token_budget,
+        default=AUTO,
+        metavar="N|auto",
+        help="token budget of one step (default: auto, chosen at start-up from timed prefill steps of the model; "
+        "the choice and its measurements are logged)",
     )
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument(
@@ -95,6 +100,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--dist-timeout", type=float, default=10.0, metavar="S", help="a rank silent this long fails the engine (default 10)"
     )
     g.add_argument("--seed", type=int, default=0, help="default sampling seed base")
+
+
+def _token_budget(text: str) -> int | str:
+    try:
+        return parse_token_budget(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _json_option(args: argparse.Namespace, name: str) -> dict[str, Any] | None:

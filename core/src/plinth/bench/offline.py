@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from plinth.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from plinth.engine.config import AUTO, parse_token_budget
 from plinth.plugins import PluginRegistry
 
 
@@ -39,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> 
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=parse_token_budget, default=AUTO, metavar="N|auto",
+        help="token budget of one step (default auto: measured at start-up; the result's engine.step_plan)",
+    )
     parser.add_argument("--decode-steps", type=int, default=64, help="steps timed for the decode figures")
     parser.add_argument(
         "--peers",
@@ -308,7 +311,7 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     )
     # which machine and paths the figures came from
     described = llm.engine.components.describe()
-    result["engine"] = {k: described.get(k) for k in ("device", "device_name", "isa", "backend", "dtype", "ops")}
+    result["engine"] = {k: described.get(k) for k in ("device", "device_name", "isa", "backend", "dtype", "ops", "max_num_seqs", "step_plan")}
     dtype_name = str(llm.engine.components.dtype).removeprefix("torch.")
     result["matmul_GFLOPs"] = measure_matmul_flops(dtype_name) / 1e9
     result["matmul_dtype"] = dtype_name

@@ -8,10 +8,14 @@ from typing import Any, Mapping
 
 from plinth.errors import ConfigError
 
-#: Token budget of one step. A step's prefill chunk delays every running
-#: stream's next token and every waiting request's first one; 512 tokens keep
-#: a step around half a second on two CPU cores, and GEMMs with 512 rows
-#: already run at full speed, so bigger budgets buy little throughput.
+#: ``max_num_batched_tokens="auto"``: chosen at start-up from timed forwards
+#: of the loaded model (``plinth.engine.step_plan``)
+AUTO = "auto"
+#: Token budget of one step where it is not measured (more than one rank).
+#: A step's prefill chunk delays every running stream's next token and every
+#: waiting request's first one; 512 tokens keep a step around half a second
+#: on two CPU cores, and GEMMs with 512 rows already run at full speed, so
+#: bigger budgets buy little throughput.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
@@ -28,7 +32,9 @@ class EngineConfig:
     num_pages: int | None = None
     kv_cache_memory: float | None = None  # GiB; default: the accelerator's budget
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    #: token budget of one step: an integer, or "auto" (measured at start-up:
+    #: ``plinth.engine.step_plan``; the engine's ``step_plan`` says what was chosen)
+    max_num_batched_tokens: int | str = AUTO
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     tp: int = 1
@@ -62,8 +68,7 @@ class EngineConfig:
             raise ConfigError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError("max_num_batched_tokens must be >= 1")
+        self.max_num_batched_tokens = parse_token_budget(self.max_num_batched_tokens)
         if self.tp < 1 or self.ep < 1 or (self.dp is not None and self.dp < 1):
             raise ConfigError("tp, dp and ep must be >= 1")
         if self.dist_timeout <= 0:
@@ -72,3 +77,17 @@ class EngineConfig:
             self.speculative_method = None  # speculation is off unless a method is named
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+
+
+def parse_token_budget(value: Any) -> int | str:
+    """``max_num_batched_tokens`` as given: "auto" (any case, or None), else
+    an integer >= 1 (a string of digits too, as the CLI passes it)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO):
+        return AUTO
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"max_num_batched_tokens must be an integer >= 1 or 'auto', got {value!r}") from None
+    if isinstance(value, float) and value != n or n < 1:
+        raise ConfigError(f"max_num_batched_tokens must be an integer >= 1 or 'auto', got {value!r}")
+    return n

@@ -647,6 +647,7 @@ def build_distributed_engine(config: EngineConfig, registry: Any = None) -> Dist
     from plinth.engine.model_runner import ModelRunner
     from plinth.engine.scheduler import Scheduler
     from plinth.engine.startup import Components, _hash_seed
+    from plinth.engine.step_plan import plan_step
 
     layout = resolve_layout(config)
     check_supported(config, layout)
@@ -673,10 +674,14 @@ def build_distributed_engine(config: EngineConfig, registry: Any = None) -> Dist
             p.join(5)
         raise
     forward = RankForward(setup, runner)
+    # every rank runs every forward together, so no probe runs here: the default budget
+    step_plan = plan_step(config, max_model_len=setup.max_model_len, distributed=True)
+    log.info("%s", step_plan.log_line())
     components = Components(
         config=config, accelerator=setup.accelerator, accelerator_name=setup.accelerator_name, backend_name=setup.backend_name,
         model_loader_name=setup.loader_name, source=setup.source, model_config=setup.model_cfg, dtype=setup.dtype,
         device=setup.device, ops=setup.ops, op_sources=setup.op_sources, num_pages=setup.num_pages,
+        step_plan=step_plan,
     )  # fmt: skip
     engines, runners = [], []
     front = DistributedEngine.__new__(DistributedEngine)
@@ -687,7 +692,7 @@ def build_distributed_engine(config: EngineConfig, registry: Any = None) -> Dist
             hash_seed=_hash_seed(setup.source, setup.model_cfg),
             copy_pages=gr.copy_pages,
         )
-        sched = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+        sched = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
         engines.append(
             LLMEngine(runner=gr, tokenizer=setup.tokenizer, model_config=setup.model_cfg, scheduler=sched,
                       max_model_len=setup.max_model_len, components=components)  # fmt: skip

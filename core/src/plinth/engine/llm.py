@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Mapping, Sequence
 
-from plinth.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from plinth.engine.config import AUTO, EngineConfig
 from plinth.engine.outputs import RequestOutput
 from plinth.engine.sampling_params import SamplingParams
 
@@ -17,7 +17,9 @@ class LLM:
 
     ``model=None`` means the default model (SmolLM2-135M-Instruct, GGUF).
     Every prompt of a ``generate`` call is submitted at once, so they run
-    with continuous batching.
+    with continuous batching. ``max_num_batched_tokens="auto"`` (the default)
+    times the model at start-up to choose the step's token budget
+    (``self.engine.components.step_plan``); an integer skips that.
     """
 
     def __init__(
@@ -31,7 +33,7 @@ class LLM:
         page_size: int = 16,
         num_pages: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_batched_tokens: int | str = AUTO,
         enable_prefix_caching: bool = True,
         tp: int = 1,
         ep: int = 1,

@@ -23,6 +23,7 @@ from plinth.engine.kv_transfer import build_kv_transfer, connector_options
 from plinth.engine.model_runner import ModelRunner, kv_page_bytes
 from plinth.engine.model_source import locate_model
 from plinth.engine.scheduler import Scheduler
+from plinth.engine.step_plan import plan_step
 from plinth.errors import ConfigError, PluginError
 from plinth.hookspecs import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, SelectionContext
 from plinth.plugins import PluginEntry, PluginRegistry
@@ -46,6 +47,8 @@ class Components:
     ops: Any
     op_sources: dict[str, str] = field(default_factory=dict)
     num_pages: int = 0
+    #: the step's token budget and the measurements it came from (``plinth.engine.step_plan``)
+    step_plan: Any = None
 
     def describe(self) -> dict[str, Any]:
         info = self.accelerator.info()
@@ -62,6 +65,8 @@ class Components:
             "ops": dict(self.op_sources),
             "num_pages": self.num_pages,
             "page_size": self.config.page_size,
+            "max_num_seqs": self.config.max_num_seqs,
+            **({"step_plan": self.step_plan.describe()} if self.step_plan is not None else {}),
         }
 
 
@@ -226,12 +231,16 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
         hash_seed=_hash_seed(source, model_cfg),
         copy_pages=runner.copy_pages,
     )
+    # the step's token budget: given, or timed on this model here (before a
+    # KV connector is attached: the probes' pages are never saved anywhere)
+    step_plan = plan_step(config, runner=runner, kv=kv, max_model_len=max_model_len)
+    log.info("%s", step_plan.log_line())
     connector_name, connector_opts = connector_options(config.kv_connector, config.kv_connector_config)
     if connector_name:
         kv.connector = build_kv_transfer(
             registry, connector_name, connector_opts, ctx, runner, model_id=f"{_hash_seed(source, model_cfg):016x}"
         )
-    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
     components = Components(
         config=config,
         accelerator=accelerator,
@@ -245,6 +254,7 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
         ops=ops,
         op_sources=op_sources,
         num_pages=num_pages,
+        step_plan=step_plan,
     )
     spec = None
     if config.speculative_method:

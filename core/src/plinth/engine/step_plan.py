@@ -1,0 +1,228 @@
+"""Step planning: the token budget of one step, chosen from measurements.
+
+``max_num_batched_tokens="auto"`` (the default) times the loaded model's own
+forward (``ModelRunner.execute``, whatever backend and accelerator start-up
+chose) on one-sequence prefills of growing size and picks the budget from the
+measured curve:
+
+* throughput: the smallest size whose cost per token is within
+  ``SATURATION_TOLERANCE`` of the best measured one (bigger steps buy no
+  more prefill throughput, only latency);
+* latency: never a size whose step took longer than ``STEP_LATENCY_BOUND_S``,
+  since a running stream waits for the whole step, prefill chunk included,
+  before its next token;
+* never fewer tokens than ``max_num_seqs`` decodes need (each takes one
+  token, ``1 + k`` with speculative decoding), so a full batch of running
+  streams fits one step.
+
+The measurement is bounded: sizes from ``CANDIDATE_TOKENS`` up to the
+model's context length and what the KV pool holds; it stops at the first
+size over the latency bound, once the cost per token has stopped falling
+for two sizes, or when ``MEASURE_TIME_BUDGET_S`` would be passed.
+
+Only the engine's own forward is timed: nothing here knows a device. A
+distributed engine (more than one rank) does not measure: every rank would
+have to run each probe forward together, so it takes
+``DEFAULT_MAX_NUM_BATCHED_TOKENS`` (the plan says so). The choice logic
+(``choose_budget``) and the measurement loop (``measure_curve``) take plain
+values and an injectable clock, so tests give them made-up curves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from plinth.engine.config import AUTO, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+log = logging.getLogger("plinth.step_plan")
+
+#: prefill sizes probed, smallest first
+CANDIDATE_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
+#: "within a few % of the best": the cost per token counted as saturated
+SATURATION_TOLERANCE = 0.05
+#: longest step (seconds) a prefill chunk may make: every running stream's
+#: next token waits for it
+STEP_LATENCY_BOUND_S = 0.25
+#: wall time the probes may take in all (seconds; warm-up forwards included)
+MEASURE_TIME_BUDGET_S = 2.0
+#: timed forwards per size (after one untimed warm-up); the fastest counts,
+#: as the one least disturbed by other work on the machine
+REPEATS = 2
+
+
+@dataclass
+class StepPlan:
+    """The token budget of a step and where it came from."""
+
+    max_num_batched_tokens: int
+    #: "measured", "explicit" (an integer was given) or "default" (not measured: why in ``reason``)
+    source: str
+    reason: str
+    #: (tokens, seconds of the fastest timed forward) per probed size
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    #: wall seconds the measurement took (warm-ups included)
+    measure_s: float = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "source": self.source,
+            "reason": self.reason,
+            "curve": [
+                {"tokens": n, "step_ms": round(t * 1e3, 3), "us_per_token": round(t / n * 1e6, 2)}
+                for n, t in self.curve
+            ],
+            "measure_s": round(self.measure_s, 3),
+        }
+
+    def log_line(self) -> str:
+        points = ", ".join(f"{n}:{t * 1e3:.1f}ms" for n, t in self.curve)
+        text = f"step budget {self.max_num_batched_tokens} tokens ({self.source}: {self.reason})"
+        if self.curve:
+            text += f"; prefill step times {points}; measured in {self.measure_s:.2f} s"
+        return text
+
+
+def choose_budget(
+    curve: Sequence[tuple[int, float]],
+    *,
+    tolerance: float = SATURATION_TOLERANCE,
+    latency_bound: float = STEP_LATENCY_BOUND_S,
+    floor: int = 1,
+) -> tuple[int, str]:
+    """(budget, why) from a measured curve of (tokens, seconds per step)."""
+    if not curve:
+        raise ValueError("no measurements to choose from")
+    points = sorted(curve)
+    within = [(n, t) for n, t in points if t <= latency_bound]
+    if not within:
+        n, t = points[0]
+        pick, why = n, f"even {n} tokens take {t * 1e3:.0f} ms, over the {latency_bound * 1e3:.0f} ms step bound"
+    else:
+        best = min(t / n for n, t in within)
+        pick = next(n for n, t in within if t / n <= best * (1 + tolerance))
+        largest = within[-1][0]
+        if pick < largest or len(within) < len(points):
+            why = f"cost per token within {tolerance:.0%} of the best ({best * 1e6:.1f} us)"
+            if len(within) < len(points):
+                why += f", steps under {latency_bound * 1e3:.0f} ms"
+        else:
+            why = f"the largest size probed, cost per token {best * 1e6:.1f} us"
+    if pick < floor:
+        why += f"; raised to {floor} so max_num_seqs decodes fit one step"
+        pick = floor
+    return pick, why
+
+
+def measure_curve(
+    forward: Callable[[int], None],
+    sizes: Sequence[int],
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    repeats: int = REPEATS,
+    time_budget: float = MEASURE_TIME_BUDGET_S,
+    latency_bound: float = STEP_LATENCY_BOUND_S,
+    tolerance: float = SATURATION_TOLERANCE,
+) -> tuple[list[tuple[int, float]], float]:
+    """Time ``forward(n)`` for each size (one warm-up, then the fastest of
+    ``repeats``; the warm-up alone when it took half the time budget),
+    smallest first; stop at the first size over
+    ``latency_bound``, after two sizes in a row that do not lower the best
+    cost per token by more than ``tolerance``, or before a size whose
+    predicted cost (linear in tokens from the last one) would pass
+    ``time_budget``. Returns the curve and the seconds spent."""
+    start = clock()
+    curve: list[tuple[int, float]] = []
+    best = float("inf")
+    flat = 0
+    for n in sorted(sizes):
+        if curve:
+            last_n, last_t = curve[-1]
+            predicted = (1 + repeats) * last_t * n / last_n
+            if clock() - start + predicted > time_budget:
+                break
+        t0 = clock()
+        forward(n)  # warm-up: first calls at a shape build kernels and caches
+        warm = clock() - t0
+        if warm > time_budget / 2:  # no time for repeats: the warm-up's time (an upper bound) counts
+            curve.append((n, warm))
+            break
+        times = []
+        for _ in range(repeats):
+            t0 = clock()
+            forward(n)
+            times.append(clock() - t0)
+        t = min(times)
+        curve.append((n, t))
+        if t > latency_bound:
+            break
+        per_token = t / n
+        if per_token < best * (1 - tolerance):
+            flat = 0
+        else:
+            flat += 1
+        best = min(best, per_token)
+        if flat >= 2:
+            break
+    return curve, clock() - start
+
+
+def probe_sizes(max_model_len: int, pool_tokens: int, candidates: Sequence[int] = CANDIDATE_TOKENS) -> list[int]:
+    """Candidate sizes one sequence can prefill: under the context length
+    and what the KV pool holds (the smallest candidate, cut to fit, when
+    none fits)."""
+    limit = max(1, min(max_model_len - 1, pool_tokens))
+    sizes = [n for n in candidates if n <= limit]
+    return sizes or [min(min(candidates), limit)]
+
+
+def prefill_forward(runner: Any, kv: Any) -> Callable[[int], None]:
+    """``forward(n)``: the runner's forward of one ``n``-token prompt, in
+    pages the KV-cache manager lends and takes back (never hashed into the
+    prefix cache: nothing is marked computed)."""
+    from plinth.engine.sampling_params import SamplingParams
+    from plinth.engine.scheduler import ScheduledBatch
+    from plinth.engine.sequence import Request, Sequence
+
+    def forward(n: int) -> None:
+        ids = [(7 * i + 1) % 100 for i in range(n)]  # ordinary token ids, inside any vocabulary
+        seq = Sequence(Request("step-plan", None, ids, SamplingParams(max_tokens=1)), 0, list(ids))
+        if not kv.allocate_slots(seq, n):
+            raise RuntimeError(f"the KV pool cannot hold a {n}-token probe")
+        try:
+            batch = ScheduledBatch(seqs=[seq], num_tokens=[n], block_tables=[kv.block_table(seq)])
+            runner.execute(batch, [n - 1])  # logits come back to the host: the forward has finished
+        finally:
+            kv.free(seq)
+
+    return forward
+
+
+def plan_step(
+    config: Any,
+    *,
+    runner: Any = None,
+    kv: Any = None,
+    max_model_len: int,
+    distributed: bool = False,
+    forward: Callable[[int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> StepPlan:
+    """The step plan of an engine: the explicit budget, or one measured with
+    the loaded model (``forward`` overrides the probe, for tests)."""
+    given = config.max_num_batched_tokens
+    if given != AUTO:
+        return StepPlan(int(given), "explicit", "--max-num-batched-tokens")
+    k = (config.num_speculative_tokens or 4) if config.speculative_method else 0
+    floor = config.max_num_seqs * (1 + k)
+    if distributed:
+        budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, floor)
+        return StepPlan(budget, "default", "not measured with more than one rank (every rank would run each probe)")
+    pool_tokens = kv.num_pages * kv.page_size - kv.page_size  # a page to spare
+    sizes = probe_sizes(max_model_len, pool_tokens)
+    curve, spent = measure_curve(forward or prefill_forward(runner, kv), sizes, clock=clock)
+    budget, why = choose_budget(curve, floor=floor)
+    return StepPlan(budget, "measured", why, curve, spent)
