@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from plinth.api import Backend, PluginError, QuantizedWeight, SelectionContext
 
-from plinth_plugin_cpukernels.gemm import DTYPE_NAMES, PackedLinear, make_linear, pack_linear
+from plinth_plugin_cpukernels.gemm import DTYPE_NAMES, PackedLinear, SmallGemm, make_linear, pack_linear
 from plinth_plugin_cpukernels.quant import (
     GEMM_MIN_ROWS,
     GGUF_FORMATS,
@@ -97,7 +97,8 @@ class CPUKernelsBackend(Backend):
             ref_linear = self.reference.get("linear", F.linear)
 
             bf16_gemm = bf16_gemm_missing(isa) is None
-            dense_linear = make_linear(ref_linear)
+            small = SmallGemm(isa)  # decode batches: the streaming kernel (gemm.py)
+            dense_linear = make_linear(ref_linear, small)
             # large batches on GGUF weights: a dequantized copy in the compute dtype, packed like any dense weight
             dtype = self.ctx.dtype
             dense_dtype = dtype if str(dtype) in ("torch.float32", "torch.bfloat16") and (bf16_gemm or str(dtype) == "torch.float32") else None
@@ -111,7 +112,7 @@ class CPUKernelsBackend(Backend):
             def pack(weight: Any) -> Any:
                 if isinstance(weight, QuantizedWeight) and format_name(weight.format):
                     return gguf.pack(weight)
-                packed = pack_linear(weight, bf16=bf16_gemm)
+                packed = pack_linear(weight, bf16=bf16_gemm, small=small)
                 return packed if type(packed) is PackedLinear else ref_pack(weight)
 
             def linear(x: Any, weight: Any, bias: Any = None) -> Any:

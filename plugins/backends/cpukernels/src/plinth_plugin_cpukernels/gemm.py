@@ -1,38 +1,143 @@
-"""Pre-packed oneDNN linear layers.
+"""Dense linear layers: oneDNN's packed GEMM, and a streaming kernel of our
+own for few rows (csrc/linear_ops.cpp).
 
 Each weight is re-blocked once at load time into oneDNN's preferred layout;
 ``linear`` then runs oneDNN's kernel on it. On the 2-core AVX-512 machines
 measured here that doubles batch-1 GEMV bandwidth in bfloat16 (about 20 ->
 40 GB/s on cached weights) and helps small batches; bfloat16 results are
-bit-identical to ``F.linear``. torch is imported inside functions.
+bit-identical to ``F.linear``.
+
+For decode batches (up to ``SMALL_ROWS`` activation rows, by kernel path and
+dtype) a second copy of the weight, repacked for streaming (bf16: pairs
+``[N/16][K/2][16][2]`` that one 64-byte load feeds to ``vdpbf16ps`` for 16
+outputs; fp32: ``[N/16][K][16]``), is multiplied by ``linear_small``: rows x
+blocks of 16 outputs held in registers over the whole K, fp32 accumulation,
+``at::parallel_for`` over the output blocks, the code path chosen at compile
+time from the instruction sets (AVX512-BF16, AVX-512F, AVX2+FMA, scalar). Its
+bfloat16 results match ``F.linear`` to bfloat16 rounding, not bit for bit
+(another summation order). The rule is fixed, from bench/small_gemm.py (one
+thread, ``time.thread_time``, SmolLM2-135M's shapes on a 2-core AMD EPYC Zen 4
+with avx512_bf16, a loaded machine): with vdpbf16ps it took 0.6-0.9x
+oneDNN's time at 1-4 rows, 0.5-0.9x at 8 and 0.8-1.0x at 16 (except the
+49152-row lm_head from 4 rows on: 0.9-1.1x, a tie), and 0.4-0.9x in fp32 up
+to 8 rows (0.8-1.2x at 16: a tie, left to oneDNN); the AVX2+FMA build
+(``PLINTH_CPU_ISA=avx2,fma ONEDNN_MAX_CPU_ISA=AVX2``, fp32) 0.3-0.8x up to 4
+rows, 0.6-1.0x at 8, 0.7-1.2x at 16. At 32 rows and more bf16 runs at par
+with oneDNN (both about 190 GFLOP/s a thread there) and fp32 at 0.9x. Both copies are kept only while the streaming
+copies fit ``SMALL_COPY_SHARE`` of the memory available at the first weight;
+beyond it (and where ``SMALL_ROWS`` is 0) oneDNN runs every batch.
+``PLINTH_CPU_SMALL_GEMM_ROWS`` overrides the row limit (0: off), for
+comparisons. torch is imported inside functions.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 DTYPE_NAMES = ("bfloat16", "float32")
 
+LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear_ops.cpp"
+LINEAR_FUNCTIONS = ["linear_pack", "linear_small", "linear_kernel_path"]
+
+#: the largest number of activation rows the streaming kernel takes, by its
+#: code path and the weight's dtype (beyond it, oneDNN): see the module doc
+SMALL_ROWS = {
+    "avx512-bf16 (vdpbf16ps)": {"bfloat16": 16, "float32": 8},
+    "avx512f (fp32 fma)": {"bfloat16": 16, "float32": 8},
+    "avx2+fma (fp32 fma)": {"bfloat16": 16, "float32": 16},
+    "scalar": {"bfloat16": 0, "float32": 0},  # portable code: oneDNN's JIT is faster
+}
+#: the share of the memory available at the first weight that the streaming
+#: copies may take (they double the dense weights' memory)
+SMALL_COPY_SHARE = 0.25
+ROWS_ENV = "PLINTH_CPU_SMALL_GEMM_ROWS"
+
+
+def load_linear_kernels(isa: Iterable[str], verbose: bool = False) -> Any:
+    """The small-M linear kernels for these instruction sets (their own extension)."""
+    from plinth_plugin_cpukernels.kernels import load_extension
+
+    return load_extension(LINEAR_SOURCE, LINEAR_FUNCTIONS, isa, prefix="plinth_cpukernels_linear", verbose=verbose)
+
+
+def linear_kernel_path(isa: Iterable[str]) -> str:
+    """The code path a build of linear_ops.cpp for these instruction sets
+    compiles (the same choice as its #if chain; a test checks they agree)."""
+    isa = set(isa)
+    if "avx512f" in isa:
+        if {"avx512_bf16", "avx512bw"} <= isa:
+            return "avx512-bf16 (vdpbf16ps)"
+        return "avx512f (fp32 fma)"
+    if {"avx2", "fma"} <= isa:
+        return "avx2+fma (fp32 fma)"
+    return "scalar"
+
+
+def _available_memory() -> int:
+    from plinth_plugin_cpukernels.quant import _available_memory as available
+
+    return available()
+
+
+class SmallGemm:
+    """Packs the streaming copies and says how many rows they serve; the
+    kernels are built on the first weight that gets one."""
+
+    def __init__(self, isa: Iterable[str], *, rows: dict[str, int] | None = None, budget: int | None = None) -> None:
+        self.isa = tuple(isa)
+        self.path = linear_kernel_path(self.isa)
+        self.rows = dict(rows if rows is not None else SMALL_ROWS.get(self.path, {}))
+        override = os.environ.get(ROWS_ENV)
+        if override is not None and override.strip():
+            self.rows = {name: int(override) for name in DTYPE_NAMES}
+        self.budget = budget
+        self.kernels: Any = None
+
+    def rows_for(self, dtype: Any) -> int:
+        return self.rows.get(str(dtype).removeprefix("torch."), 0)
+
+    def pack(self, weight: Any) -> Any:
+        """The streaming copy of a [N, K] weight, or None (no rows, over budget)."""
+        if self.rows_for(weight.dtype) <= 0:
+            return None
+        if self.budget is None:
+            self.budget = int(_available_memory() * SMALL_COPY_SHARE)
+        size = weight.numel() * weight.dtype.itemsize
+        if size > self.budget:
+            return None
+        if self.kernels is None:
+            self.kernels = load_linear_kernels(self.isa)
+        self.budget -= size
+        return self.kernels.linear_pack(weight)
+
 
 class PackedLinear:
-    """A weight in oneDNN's blocked layout, with what linear needs to know."""
+    """A weight in oneDNN's blocked layout (and, for few rows, in the
+    streaming layout), with what linear needs to know."""
 
-    __slots__ = ("packed", "out_features", "in_features", "dtype")
+    __slots__ = ("packed", "out_features", "in_features", "dtype", "small", "small_rows")
 
-    def __init__(self, weight: Any) -> None:
+    def __init__(self, weight: Any, small: SmallGemm | None = None) -> None:
         import torch
 
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        weight = weight.contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.small = small.pack(weight) if small is not None else None
+        #: batches of up to this many rows take the streaming kernel
+        self.small_rows = small.rows_for(weight.dtype) if self.small is not None else 0
 
     def nbytes(self) -> int:
         return self.out_features * self.in_features * self.dtype.itemsize
 
 
-def pack_linear(weight: Any, *, bf16: bool) -> Any:
+def pack_linear(weight: Any, *, bf16: bool, small: SmallGemm | None = None) -> Any:
     """Pack plain CPU fp32 matrices, and bf16 ones when ``bf16`` (oneDNN can
-    run them on this CPU); anything else is returned as is."""
+    run them on this CPU); anything else is returned as is. With ``small``,
+    also the streaming copy for few rows."""
     import torch
 
     names = DTYPE_NAMES if bf16 else ("float32",)
@@ -42,21 +147,30 @@ def pack_linear(weight: Any, *, bf16: bool) -> Any:
         and weight.dim() == 2
         and weight.device.type == "cpu"
     ):
-        return PackedLinear(weight)
+        return PackedLinear(weight, small)
     return weight
 
 
-def make_linear(reference_linear: Callable[..., Any]) -> Callable[..., Any]:
+def make_linear(reference_linear: Callable[..., Any], small: SmallGemm | None = None) -> Callable[..., Any]:
     import torch
 
     mkldnn_linear = torch.ops.mkldnn._linear_pointwise
+    small_linear = None
 
     def linear(x: Any, weight: Any, bias: Any = None) -> Any:
+        nonlocal small_linear
         if type(weight) is PackedLinear:
             if x.dtype != weight.dtype:
                 x = x.to(weight.dtype)
             shape = x.shape
-            y = mkldnn_linear(x.reshape(-1, shape[-1]), weight.packed, bias, "none", [], "")
+            x2 = x.reshape(-1, shape[-1])
+            if x2.shape[0] <= weight.small_rows:
+                if small_linear is None:
+                    assert small is not None and small.kernels is not None, "a streaming copy comes from small.pack"
+                    small_linear = small.kernels.linear_small
+                y = small_linear(x2, weight.small, weight.out_features, weight.in_features, bias)
+            else:
+                y = mkldnn_linear(x2, weight.packed, bias, "none", [], "")
             return y.view(*shape[:-1], weight.out_features)
         return reference_linear(x, weight, bias)
 

@@ -1,0 +1,405 @@
+// Small-M dense linear kernels (y = x @ W^T + b) for bfloat16 and float32
+// weights, repacked once at load into a layout streamed block by block.
+//
+// Layouts (N padded to a multiple of 16 with zero rows):
+//   bf16: [N/16][K2][16][2]  K2 = ceil(K/2): one 64-byte line holds 2 k for
+//         16 outputs (the pairs vdpbf16ps multiplies), K padded with zeros
+//   fp32: [N/16][K][16]      one 64-byte line holds 1 k for 16 outputs
+//
+// The code path is chosen at compile time from the flags the build passes
+// (kernels.isa_cflags, never -march=native):
+//   bf16 weights: AVX512-BF16 vdpbf16ps; AVX-512F or AVX2+FMA: the pairs
+//                 widened to fp32 by a shift and a mask, fp32 FMA; scalar
+//   fp32 weights: AVX-512F or AVX2+FMA FMA; scalar
+// Accumulation is fp32; the output has x's dtype (the weight's).
+// A microkernel keeps MR rows x NR blocks of 16 outputs in registers over the
+// whole K; at::parallel_for splits the N tiles.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define PLINTH_LIN_AVX512 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PLINTH_LIN_AVX512BF16 1
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PLINTH_LIN_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t BLK = 16;  // outputs per block
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// ---------------------------------------------------------------- microkernels
+// Each computes acc[MR][NR*16] = x[MR rows] . W[NR blocks] over all K and
+// writes it to tile (row stride NR*16 floats).
+
+// bf16 weights, pairs layout. xb: bf16 x rows (padded to 2*K2), xf: the same
+// rows as fp32 (used by the paths without vdpbf16ps).
+template <int MR, int NR>
+inline void ukernel_bf16(const uint16_t* xb, const float* xf, int64_t ldx, const uint16_t* w, int64_t wstride,
+                         int64_t K2, float* tile) {
+#if defined(PLINTH_LIN_AVX512BF16)
+  (void)xf;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      const uint16_t* p = w + j * wstride + kk * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(p + 32 * 16), _MM_HINT_T0);
+      wv[j] = (__m512bh)_mm512_loadu_si512(p);
+    }
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, xb + i * ldx + 2 * kk, 4);
+      __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(tile + i * NR * 16 + j * 16, acc[i][j]);
+#elif defined(PLINTH_LIN_AVX512)
+  (void)xb;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i hi_mask = _mm512_set1_epi32(int32_t(0xffff0000u));
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m512 we[NR], wo[NR];
+    for (int j = 0; j < NR; ++j) {
+      const uint16_t* p = w + j * wstride + kk * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(p + 32 * 16), _MM_HINT_T0);
+      __m512i v = _mm512_loadu_si512(p);
+      we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+    }
+    for (int i = 0; i < MR; ++i) {
+      __m512 x0 = _mm512_set1_ps(xf[i * ldx + 2 * kk]);
+      __m512 x1 = _mm512_set1_ps(xf[i * ldx + 2 * kk + 1]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(wo[j], x1, _mm512_fmadd_ps(we[j], x0, acc[i][j]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(tile + i * NR * 16 + j * 16, acc[i][j]);
+#elif defined(PLINTH_LIN_AVX2)
+  (void)xb;
+  // a block's line is two 32-byte halves of 8 outputs each
+  __m256 acc[MR][NR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  const __m256i hi_mask = _mm256_set1_epi32(int32_t(0xffff0000u));
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m256 we[NR][2], wo[NR][2];
+    for (int j = 0; j < NR; ++j) {
+      const uint16_t* p = w + j * wstride + kk * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(p + 32 * 16), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
+        we[j][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        wo[j][h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      __m256 x0 = _mm256_set1_ps(xf[i * ldx + 2 * kk]);
+      __m256 x1 = _mm256_set1_ps(xf[i * ldx + 2 * kk + 1]);
+      for (int j = 0; j < NR; ++j)
+        for (int h = 0; h < 2; ++h)
+          acc[i][j][h] = _mm256_fmadd_ps(wo[j][h], x1, _mm256_fmadd_ps(we[j][h], x0, acc[i][j][h]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(tile + i * NR * 16 + j * 16 + 8 * h, acc[i][j][h]);
+#else
+  (void)xb;
+  float acc[MR][NR * 16] = {};
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    for (int i = 0; i < MR; ++i) {
+      const float x0 = xf[i * ldx + 2 * kk], x1 = xf[i * ldx + 2 * kk + 1];
+      for (int j = 0; j < NR; ++j) {
+        const uint16_t* p = w + j * wstride + kk * 32;
+        for (int l = 0; l < 16; ++l) acc[i][j * 16 + l] += bf16_to_f32(p[2 * l]) * x0 + bf16_to_f32(p[2 * l + 1]) * x1;
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int l = 0; l < NR * 16; ++l) tile[i * NR * 16 + l] = acc[i][l];
+#endif
+}
+
+// fp32 weights, [N/16][K][16]
+template <int MR, int NR>
+inline void ukernel_f32(const float* x, int64_t ldx, const float* w, int64_t wstride, int64_t K, float* tile) {
+#if defined(PLINTH_LIN_AVX512)
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      const float* p = w + j * wstride + k * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(p + 16 * 16), _MM_HINT_T0);
+      wv[j] = _mm512_loadu_ps(p);
+    }
+    for (int i = 0; i < MR; ++i) {
+      __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(tile + i * NR * 16 + j * 16, acc[i][j]);
+#elif defined(PLINTH_LIN_AVX2)
+  __m256 acc[MR][NR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[NR][2];
+    for (int j = 0; j < NR; ++j) {
+      const float* p = w + j * wstride + k * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(p + 16 * 16), _MM_HINT_T0);
+      wv[j][0] = _mm256_loadu_ps(p);
+      wv[j][1] = _mm256_loadu_ps(p + 8);
+    }
+    for (int i = 0; i < MR; ++i) {
+      __m256 xv = _mm256_set1_ps(x[i * ldx + k]);
+      for (int j = 0; j < NR; ++j) {
+        acc[i][j][0] = _mm256_fmadd_ps(wv[j][0], xv, acc[i][j][0]);
+        acc[i][j][1] = _mm256_fmadd_ps(wv[j][1], xv, acc[i][j][1]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(tile + i * NR * 16 + j * 16 + 8 * h, acc[i][j][h]);
+#else
+  float acc[MR][NR * 16] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int i = 0; i < MR; ++i) {
+      const float xv = x[i * ldx + k];
+      for (int j = 0; j < NR; ++j) {
+        const float* p = w + j * wstride + k * 16;
+        for (int l = 0; l < 16; ++l) acc[i][j * 16 + l] += p[l] * xv;
+      }
+    }
+  for (int i = 0; i < MR; ++i)
+    for (int l = 0; l < NR * 16; ++l) tile[i * NR * 16 + l] = acc[i][l];
+#endif
+}
+
+// ---------------------------------------------------------------- tiling
+// Register budget: AVX-512 has 32 zmm, AVX2 16 ymm (a block takes two).
+#if defined(PLINTH_LIN_AVX512)
+constexpr int MR_MAX = 4;
+constexpr int NR_M1 = 8;  // one row: more blocks in flight
+constexpr int NR_MANY = 4;
+#elif defined(PLINTH_LIN_AVX2)
+constexpr int MR_MAX = 2;
+constexpr int NR_M1 = 3;
+constexpr int NR_MANY = 2;
+#else
+constexpr int MR_MAX = 4;
+constexpr int NR_M1 = 4;
+constexpr int NR_MANY = 4;
+#endif
+
+struct Problem {
+  bool bf16;
+  const uint16_t* xb;  // bf16 rows (bf16 weights, vdpbf16ps path)
+  const float* xf;     // fp32 rows
+  int64_t ldx;
+  const void* w;
+  int64_t wstride;  // elements per block
+  int64_t kdim;     // K2 (bf16) or K (fp32)
+};
+
+template <int MR, int NR>
+inline void run_tile(const Problem& p, int64_t m0, int64_t nb0, float* tile) {
+  if (p.bf16) {
+    const uint16_t* w = static_cast<const uint16_t*>(p.w) + nb0 * p.wstride;
+    ukernel_bf16<MR, NR>(p.xb ? p.xb + m0 * p.ldx : nullptr, p.xf ? p.xf + m0 * p.ldx : nullptr, p.ldx, w, p.wstride,
+                         p.kdim, tile);
+  } else {
+    const float* w = static_cast<const float*>(p.w) + nb0 * p.wstride;
+    ukernel_f32<MR, NR>(p.xf + m0 * p.ldx, p.ldx, w, p.wstride, p.kdim, tile);
+  }
+}
+
+template <int NR>
+inline void run_rows(const Problem& p, int64_t m0, int mr, int64_t nb0, float* tile) {
+  switch (mr) {
+    case 1: run_tile<1, NR>(p, m0, nb0, tile); break;
+    case 2: run_tile<2, NR>(p, m0, nb0, tile); break;
+    case 3: if constexpr (MR_MAX >= 3) run_tile<3, NR>(p, m0, nb0, tile); break;
+    case 4: if constexpr (MR_MAX >= 4) run_tile<4, NR>(p, m0, nb0, tile); break;
+  }
+}
+
+template <int NRMAX>
+inline void run_blocks(const Problem& p, int64_t m0, int mr, int64_t nb0, int nr, float* tile) {
+  if constexpr (NRMAX >= 1) {
+    if (nr == NRMAX) return run_rows<NRMAX>(p, m0, mr, nb0, tile);
+    if constexpr (NRMAX > 1) return run_blocks<NRMAX - 1>(p, m0, mr, nb0, nr, tile);
+  }
+}
+
+template <typename Out>
+inline void store_tile(const float* tile, int nrow, int ncol_tile, int64_t n0, int64_t N, const float* bias, Out* y,
+                       int64_t ldy) {
+  const int64_t nvalid = std::min<int64_t>(ncol_tile, N - n0);
+  for (int i = 0; i < nrow; ++i) {
+    Out* out = y + i * ldy + n0;
+    const float* t = tile + i * ncol_tile;
+    for (int64_t l = 0; l < nvalid; ++l) {
+      float v = t[l] + (bias ? bias[n0 + l] : 0.f);
+      if constexpr (std::is_same<Out, float>::value) out[l] = v;
+      else out[l] = f32_to_bf16(v);
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- entry points
+
+std::string linear_kernel_path() {
+#if defined(PLINTH_LIN_AVX512BF16)
+  return "avx512-bf16 (vdpbf16ps)";
+#elif defined(PLINTH_LIN_AVX512)
+  return "avx512f (fp32 fma)";
+#elif defined(PLINTH_LIN_AVX2)
+  return "avx2+fma (fp32 fma)";
+#else
+  return "scalar";
+#endif
+}
+
+// weight [N, K] bf16 or fp32 -> the streamed layout (1-D tensor of the same dtype)
+torch::Tensor linear_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "linear_pack: weight must be 2-D");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
+              "linear_pack: weight must be bfloat16 or float32");
+  weight = weight.contiguous();
+  const int64_t N = weight.size(0), K = weight.size(1), NB = (N + BLK - 1) / BLK;
+  if (weight.scalar_type() == at::kBFloat16) {
+    const int64_t K2 = (K + 1) / 2;
+    auto out = torch::zeros({NB * K2 * 32}, weight.options());
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t nb = b0; nb < b1; ++nb)
+        for (int64_t l = 0; l < BLK && nb * BLK + l < N; ++l) {
+          const uint16_t* row = src + (nb * BLK + l) * K;
+          uint16_t* d = dst + nb * K2 * 32 + 2 * l;
+          for (int64_t k = 0; k < K; ++k) d[(k / 2) * 32 + (k & 1)] = row[k];
+        }
+    });
+    return out;
+  }
+  auto out = torch::zeros({NB * K * BLK}, weight.options());
+  const float* src = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t l = 0; l < BLK && nb * BLK + l < N; ++l) {
+        const float* row = src + (nb * BLK + l) * K;
+        float* d = dst + nb * K * BLK + l;
+        for (int64_t k = 0; k < K; ++k) d[k * BLK] = row[k];
+      }
+  });
+  return out;
+}
+
+// x [M, K] (the weight's dtype), packed from linear_pack, bias [N] or None -> [M, N]
+torch::Tensor linear_small(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear_small: x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear_small: x and the weight must have one dtype");
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  const int64_t M = x.size(0), NB = (N + BLK - 1) / BLK;
+  const int64_t kdim = bf16 ? (K + 1) / 2 : K;
+  TORCH_CHECK(packed.numel() == NB * kdim * (bf16 ? 32 : BLK), "linear_small: packed weight does not match N, K");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+
+  // x in the form the microkernels read: fp32 rows (and bf16 rows padded to an even K)
+  Problem p{};
+  p.bf16 = bf16;
+  p.w = packed.data_ptr();
+  p.wstride = kdim * (bf16 ? 32 : BLK);
+  p.kdim = kdim;
+  torch::Tensor xb, xf;
+  if (bf16) {
+    const int64_t Kp = 2 * kdim;
+#if defined(PLINTH_LIN_AVX512BF16)
+    xb = (Kp == K) ? x.contiguous() : torch::constant_pad_nd(x, {0, Kp - K}, 0).contiguous();
+    p.xb = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+#else
+    xf = torch::constant_pad_nd(x.to(at::kFloat), {0, Kp - K}, 0).contiguous();
+    p.xf = xf.data_ptr<float>();
+#endif
+    p.ldx = Kp;
+  } else {
+    xf = x.contiguous();
+    p.xf = xf.data_ptr<float>();
+    p.ldx = K;
+  }
+  torch::Tensor bias_f;
+  const float* bptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear_small: bias must have N elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+    bptr = bias_f.data_ptr<float>();
+  }
+
+  const int nr_max = M == 1 ? NR_M1 : NR_MANY;
+  const int64_t ntiles = (NB + nr_max - 1) / nr_max;
+  const int64_t tile_bytes = int64_t(nr_max) * BLK * K * (bf16 ? 2 : 4);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, tile_bytes));
+  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+    alignas(64) float tile[MR_MAX * 8 * 16];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb0 = t * nr_max;
+      const int nr = int(std::min<int64_t>(nr_max, NB - nb0));
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int mr = int(std::min<int64_t>(MR_MAX, M - m0));
+        if (nr_max == NR_M1) run_blocks<NR_M1>(p, m0, mr, nb0, nr, tile);
+        else run_blocks<NR_MANY>(p, m0, mr, nb0, nr, tile);
+        if (bf16)
+          store_tile(tile, mr, nr * 16, nb0 * BLK, N, bptr,
+                     reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + m0 * N, N);
+        else
+          store_tile(tile, mr, nr * 16, nb0 * BLK, N, bptr, y.data_ptr<float>() + m0 * N, N);
+      }
+    }
+  });
+  return y;
+}
