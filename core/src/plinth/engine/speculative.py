@@ -23,21 +23,24 @@ Each position's processing sees the proposals before it as already
 generated (penalty counts, the grammar advanced on a fork), which is what
 the sequence would have seen had they been sampled one by one.
 
-Adaptive k, two levels: a sequence whose proposals keep failing proposes
-fewer (``_SeqState.update``; the bound on the wasted work is in
-docs/architecture.md), and a step keeps only the proposals that its measured
-cost says pay for themselves at this batch size (``StepCostModel``): at
-batch 1 a decode step is bound by reading the weights and scoring four more
-positions is almost free; at batch 16 on a CPU each scored position costs
-nearly what a token costs, so only proposals likely to pass are worth it.
+Adaptive k: ``StepCostModel.plan`` decides, for the whole step, which
+proposal positions are scored: those that raise expected tokens per second
+given the measured cost of a step by tokens scored (one curve for every
+batch size) and each sequence's acceptance, shrunk towards the recent
+all-sequence rate. What a sequence offers it is ``_SeqState``'s: k, a
+one-token probe after a step whose proposals all failed (or, while the
+all-sequence rate is under 1/2, for a new sequence), then pauses of 1, 2,
+4 ... 32 steps between probes while they keep failing. The bound on a
+hostile workload is in docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 from typing import Sequence as Seq
 
@@ -54,21 +57,23 @@ log = logging.getLogger("plinth.speculative")
 
 #: most steps a sequence whose proposals all fail waits before it tries again
 MAX_PAUSE = 32
-
-
 #: how fast a sequence's acceptance estimate forgets (per verified step)
 ACCEPTANCE_DECAY = 0.75
 #: weight, in positions, of the all-sequence acceptance in a sequence's estimate
 ACCEPTANCE_PRIOR = 2.0
+#: how fast the all-sequence acceptance forgets (per judged position): a
+#: sampled batch after a greedy one must not inherit the greedy rate for long
+PRIOR_DECAY = 0.9
+#: below this all-sequence acceptance a new sequence starts with a one-token probe
+TRUST = 0.5
 
 
 @dataclass
 class _SeqState:
-    """Adaptive proposal length of one sequence."""
+    """One sequence's record: its acceptance and its back-off."""
 
-    k: int
+    misses: int = 0  # steps in a row whose proposals all failed
     pause: int = 0  # steps left without proposals
-    backoff: int = 1  # the next pause, doubled after each complete miss
     # decayed counts of proposal positions that passed / were judged (a
     # position is judged when every one before it passed)
     passed: float = 0.0
@@ -79,122 +84,146 @@ class _SeqState:
         it did, shrunk towards ``prior`` while this sequence has little data."""
         return (self.passed + ACCEPTANCE_PRIOR * prior) / (self.judged + ACCEPTANCE_PRIOR)
 
-    def update(self, accepted: int, proposed: int, k_max: int) -> None:
+    def offer(self, k_max: int) -> int:
+        """Proposals to ask for this step: k_max, or a one-token probe after a
+        miss (0 while paused)."""
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return 1 if self.misses else k_max
+
+    def update(self, accepted: int, proposed: int) -> None:
         self.passed = ACCEPTANCE_DECAY * self.passed + accepted
         self.judged = ACCEPTANCE_DECAY * self.judged + accepted + (accepted < proposed)
-        if accepted == 0:
-            # halve; at zero, stop for a while and then probe with one token,
-            # waiting twice as long after each miss (up to MAX_PAUSE steps)
-            self.k //= 2
-            if self.k == 0:
-                self.k, self.pause = 1, self.backoff
-                self.backoff = min(2 * self.backoff, MAX_PAUSE)
+        if accepted:
+            self.misses = 0
         else:
-            self.backoff = 1
-            self.k = min(k_max, self.k + 1) if accepted == proposed else min(k_max, accepted + 1)
+            # the first miss: probe with one token; then wait 1, 2, 4, ... up
+            # to MAX_PAUSE steps between one-token probes
+            self.misses += 1
+            if self.misses > 1:
+                self.pause = min(2 ** (self.misses - 2), MAX_PAUSE)
 
 
-#: step times kept per batch size and kind (plain / with proposals)
+#: step times kept per number of tokens scored
 COST_SAMPLES = 16
-#: steps with proposals offered but none kept before the cost of a scored
-#: position is measured again; doubled after each such probe, up to the max
-REPROBE_AFTER = 8
-MAX_REPROBE_AFTER = 64
-
-
-@dataclass
-class _BatchCost:
-    plain: deque = field(default_factory=lambda: deque(maxlen=COST_SAMPLES))  # seconds of steps without proposals
-    spec: deque = field(default_factory=lambda: deque(maxlen=COST_SAMPLES))  # (proposals scored, seconds)
-    idle: int = 0  # steps since the plan last kept a proposal
-    reprobe: int = REPROBE_AFTER
+#: samples of a step size that measuring (below) gathers at most
+PROBE_SAMPLES = 4
+#: share of the decode steps' time that measuring may spend on proposals the
+#: plan would not keep
+EXPLORE_SHARE = 0.02
 
 
 class StepCostModel:
-    """What a decode step of B sequences costs with X proposals scored,
-    measured on this machine while the engine runs, and which proposals
-    that makes worth scoring.
+    """What a decode step costs, measured on this machine while the engine
+    runs, and which proposals that makes worth scoring.
 
-    Model: t(B, X) = t0(B) + c(B) * X. t0 is the fastest of the recent
-    steps of B sequences without proposals; c, the cost of one more scored
-    position, the smallest (t - t0) / X over recent steps with proposals.
-    The lowest, not the median: on a shared machine contention only ever
-    adds time, and a few slow steps must not switch speculation off (at
-    batch 1 a median over a handful of samples did). Nothing is assumed
-    about the hardware: where a step is bound by reading the weights c
-    comes out near 0, where it is compute-bound near t0 / B.
+    One curve for every batch size: a decode step's time is taken to depend
+    on the tokens its forward scores, T = sequences + proposals (the GEMMs
+    see T rows either way; attention and sampling are per row too). So
+    plain steps of 5 sequences tell what 1 sequence with 4 proposals costs,
+    and batch sizes that come and go as requests do all feed one curve
+    instead of each waiting for its own measurements. t(T) is the fastest
+    of the recent decode-only steps of T tokens (the lowest, not the
+    median: on a shared machine contention only ever adds time), made
+    non-decreasing in T; between measured sizes it is interpolated,
+    beyond the largest extrapolated along the chord from the largest
+    measured size at most half as big (else the smallest; with one size
+    measured, in proportion to T: the compute-bound guess, which keeps
+    nothing). Nothing
+    is assumed about the hardware: a weight-bound step measures a flat
+    curve, a compute-bound one a steep one, a kernel that changes path at
+    some row count a kink.
 
     Decision: position j of a sequence whose positions pass with probability
     a each passes with probability a^j (it needs all before it), and adds
     that many expected tokens. The step keeps the proposal positions, most
     likely first, that maximise expected tokens per second,
-    (B + sum of kept a^j) / (t0 + c * kept), so a position is kept only if
-    its chance of passing beats c / (current cost per token): at batch 1
-    almost everything, at a compute-bound batch almost nothing.
+    (B + sum of kept a^j) / t(B + kept).
 
-    Measuring: for a new batch size, first one step without proposals (t0),
-    then one with proposals (c). Once the plan keeps nothing, c is no longer
-    refreshed by the steps themselves, and it may have been measured while
-    the machine was busy with something else: so after 8, 16, 32, then
-    every 64 such steps, one step probes again. A probe, like the first
-    measurement, scores at most one proposal per sequence (the likeliest),
-    so it costs at most about one plain step: the bound on what measuring
-    costs where speculation never pays is under 1/64 (1.6%) of the steps'
-    time."""
+    Measuring: a size above the curve is learnt by scoring one position
+    more than the plan keeps (the likeliest left out), at most PROBE_SAMPLES
+    times per size, and only while what such steps cost beyond a plain
+    step stays under EXPLORE_SHARE (2%) of all decode steps' time. So where
+    speculation never pays, measuring costs under 2% of the time, and once
+    the sizes next to the batch are known it stops. Steps that keep
+    proposals measure their own size as they go."""
 
-    def __init__(self) -> None:
-        self.batches: dict[int, _BatchCost] = {}
+    def __init__(self, explore_share: float = EXPLORE_SHARE) -> None:
+        self.samples: dict[int, deque] = {}  # tokens scored -> recent step seconds
+        self.explore_share = explore_share
+        self.total = 0.0  # seconds of decode-only steps observed
+        self.explored = 0.0  # seconds those steps spent measuring, beyond a plain step
+        self._measuring: int | None = None  # the plan's step measures: its plain batch size
+        self._curve: list[tuple[int, float]] | None = None
 
     def observe(self, num_seqs: int, num_proposed: int, seconds: float) -> None:
         """A decode-only step of num_seqs sequences scored num_proposed proposals."""
-        b = self.batches.setdefault(num_seqs, _BatchCost())
-        if num_proposed:
-            b.spec.append((num_proposed, seconds))
-        else:
-            b.plain.append(seconds)
+        if self._measuring == num_seqs and num_proposed:
+            plain = self.estimate(num_seqs)
+            self.explored += max(0.0, seconds - plain) if plain is not None else seconds
+        self._measuring = None
+        self.samples.setdefault(num_seqs + num_proposed, deque(maxlen=COST_SAMPLES)).append(seconds)
+        self.total += seconds
+        self._curve = None
 
-    def costs(self, num_seqs: int) -> tuple[float, float] | None:
-        """(t0, c) for this batch size, or None before both were measured."""
-        b = self.batches.get(num_seqs)
-        if b is None or not b.plain or not b.spec:
+    def curve(self) -> list[tuple[int, float]]:
+        """(tokens, seconds) of the measured sizes, non-decreasing."""
+        if self._curve is None:
+            pts, top = [], 0.0
+            for n in sorted(self.samples):
+                top = max(top, min(self.samples[n]))
+                pts.append((n, top))
+            self._curve = pts
+        return self._curve
+
+    def estimate(self, tokens: int) -> float | None:
+        """t(tokens): seconds of a decode step scoring that many tokens, or
+        None below the smallest size measured."""
+        pts = self.curve()
+        if not pts or tokens < pts[0][0]:
             return None
-        t0 = min(b.plain)
-        c = min((t - t0) / x for x, t in b.spec)
-        return t0, max(c, 0.0)
+        hi = bisect.bisect_left(pts, (tokens, 0.0))
+        if hi < len(pts):
+            n1, t1 = pts[hi]
+            if n1 == tokens:
+                return t1
+            n0, t0 = pts[hi - 1]
+            return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+        n1, t1 = pts[-1]
+        if len(pts) == 1:
+            return t1 * tokens / n1
+        # the chord from the largest size at most half as big (else the smallest): one noisy neighbour does not set the slope
+        n0, t0 = next((p for p in reversed(pts) if 2 * p[0] <= n1), pts[0])
+        return t1 + (t1 - t0) * (tokens - n1) / (n1 - n0)
 
     def plan(self, num_seqs: int, offers: Seq[tuple[float, int]]) -> list[int]:
         """offers: per sequence with proposals, (chance a position passes,
         proposals offered). Returns how many of each to score."""
-        b = self.batches.get(num_seqs)
-        if b is None or not b.plain:
-            return [0] * len(offers)  # measure a plain step first
+        self._measuring = None
+        base = self.estimate(num_seqs)
+        if base is None or base <= 0:
+            return [0] * len(offers)  # a plain step measures this size first
         # every position of every offer, most likely to pass first
         positions = sorted(
             ((a**j, i) for i, (a, n) in enumerate(offers) for j in range(1, n + 1)), key=lambda p: -p[0]
         )
-        costs = self.costs(num_seqs)
-        if costs is None:
-            return self._take(positions[:num_seqs], len(offers))  # measure a step with proposals
-        t0, c = costs
-        best, best_rate, expected = 0, num_seqs / t0 if t0 > 0 else 0.0, float(num_seqs)
+        best, best_rate, expected = 0, num_seqs / base, float(num_seqs)
         for kept, (p, _) in enumerate(positions, 1):
             expected += p
-            rate = expected / (t0 + c * kept)
+            rate = expected / self.estimate(num_seqs + kept)
             if rate > best_rate:
                 best, best_rate = kept, rate
-        if best:
-            b.idle, b.reprobe = 0, REPROBE_AFTER
-        else:
-            b.idle += 1
-            if b.idle >= b.reprobe:  # probe again (see the class docstring)
-                b.idle, b.reprobe = 0, min(2 * b.reprobe, MAX_REPROBE_AFTER)
-                best = min(num_seqs, len(positions))
-        return self._take(positions[:best], len(offers))
-
-    @staticmethod
-    def _take(positions: Seq[tuple[float, int]], num_offers: int) -> list[int]:
-        keep = [0] * num_offers
-        for _, i in positions:
+        size = num_seqs + best + 1
+        if (
+            best < len(positions)
+            and len(self.samples.get(size, ())) < PROBE_SAMPLES
+            and self.explored < self.explore_share * self.total
+        ):
+            best += 1  # measure the next size (see the class docstring)
+            self._measuring = num_seqs
+        keep = [0] * len(offers)
+        for _, i in positions[:best]:
             keep[i] += 1
         return keep
 
@@ -243,6 +272,7 @@ class SpecDecoder:
         self.num_verified = 0  # sequence-steps that carried proposals
         self.num_emitted = 0  # tokens those steps appended (accepted + the target's own)
         self.num_judged = 0  # proposal positions judged (accepted + first rejections)
+        self._recent_passed = self._recent_judged = 0.0  # the same, decayed (acceptance())
         self.proposed_at = [0] * num_speculative_tokens  # per position: proposals scored
         self.accepted_at = [0] * num_speculative_tokens  # per position: proposals accepted
 
@@ -263,13 +293,11 @@ class SpecDecoder:
             decoding += 1
             st = self.states.get(seq.seq_id)
             if st is None:
-                st = self.states[seq.seq_id] = _SeqState(self.k)
-            if st.pause:
-                st.pause -= 1
-                continue
+                # a new sequence starts at full k only while proposals are passing
+                st = self.states[seq.seq_id] = _SeqState(misses=int(self.acceptance() < TRUST))
             p = seq.params
             # never past max_tokens or the context: those proposals could only be wasted
-            k = min(st.k, p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
+            k = min(st.offer(self.k), p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
             if k < 1:
                 continue
             hidden = self.hidden.get(seq.seq_id) if self.wants_hidden else None
@@ -300,9 +328,10 @@ class SpecDecoder:
         return given
 
     def acceptance(self) -> float:
-        """All sequences' chance that a judged proposal position passes
-        (with one pass and one failure assumed before any data)."""
-        return (self.num_accepted + 1) / (self.num_judged + 2)
+        """All sequences' recent chance that a judged proposal position
+        passes (counts decayed per position; one pass and one failure
+        assumed before any data)."""
+        return (self._recent_passed + 1) / (self._recent_judged + 2)
 
     @staticmethod
     def decode_shape(batch: ScheduledBatch) -> tuple[int, int] | None:
@@ -401,14 +430,18 @@ class SpecDecoder:
         self.num_proposed += proposed
         self.num_accepted += accepted
         self.num_emitted += accepted + 1
-        self.num_judged += accepted + (accepted < proposed)
+        judged = accepted + (accepted < proposed)
+        self.num_judged += judged
+        forget = PRIOR_DECAY**judged
+        self._recent_passed = forget * self._recent_passed + accepted
+        self._recent_judged = forget * self._recent_judged + judged
         for i in range(proposed):
             self.proposed_at[i] += 1
             if i < accepted:
                 self.accepted_at[i] += 1
         st = self.states.get(seq.seq_id)
         if st is not None:
-            st.update(accepted, proposed, self.k)
+            st.update(accepted, proposed)
 
     def stats(self) -> dict[str, Any]:
         return {
