@@ -121,3 +121,84 @@ def test_short_queries_run_per_token_through_the_kernel(ops, dtype, page_size, w
     torch.testing.assert_close(ours.float(), ref.float(), **tol)
     for a, b in zip(our_cache, ref_cache):
         torch.testing.assert_close(a, b)
+
+
+def _float64_attention(q, kp, vp, tables, lens, scale, window):
+    """softmax(q k^T * scale) v per sequence and head, in float64, over the
+    rows the block tables name (the last ``window`` positions when set)."""
+    B, Hq, D = q.shape
+    Hkv, _, ps, _ = kp.shape
+    Dv, G = vp.shape[-1], Hq // Hkv
+    out = torch.zeros(B, Hq, Dv, dtype=torch.float64)
+    for b in range(B):
+        L = int(lens[b])
+        pos = torch.arange(max(0, L - window) if window else 0, L)
+        rows = tables[b, pos // ps].long() * ps + pos % ps
+        for h in range(Hkv):
+            K, V = kp[h].reshape(-1, D)[rows].double(), vp[h].reshape(-1, Dv)[rows].double()
+            out[b, h * G : (h + 1) * G] = torch.softmax(q[b, h * G : (h + 1) * G].double() * scale @ K.T, -1) @ V
+    return out
+
+
+#: the vectorized paths (AVX-512 with BF16 dot products, AVX2+FMA) and the
+#: portable loops (no AVX): each built and checked on its own where the CPU has it
+ISA_SETS = {
+    "native": None,
+    "avx2": ("sse4_2", "avx", "avx2", "fma", "f16c"),
+    "no-avx": ("sse4_2",),
+}
+
+
+@pytest.fixture(scope="module")
+def isa_kernels():
+    import platform
+
+    from plinth_plugin_cpukernels.backend import accelerator_isa
+    from plinth_plugin_cpukernels.kernels import load_kernels
+
+    native = accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu"))) or ()
+    built = {}
+
+    def get(name):
+        isa = ISA_SETS[name]
+        if isa is None:
+            isa = native
+        elif platform.machine().lower() not in ("x86_64", "amd64") or not set(isa) <= set(native):
+            pytest.skip(f"{name}: an x86 build this CPU runs")
+        if name not in built:
+            built[name] = load_kernels(isa)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("isa", list(ISA_SETS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, 7])
+@pytest.mark.parametrize("dims", [(64, 64), (64, 32), (128, 128), (72, 72)], ids=["d64", "dv32", "d128", "d72"])
+@pytest.mark.parametrize("window", [0, 37])
+def test_kernel_blocks_against_float64(isa_kernels, isa, dtype, page_size, dims, window):
+    """Contexts around the kernel's token blocks (8 or 16 rows: 1, 7-9,
+    15-17, 31-33, ...), windows that start mid-block, pages that end
+    mid-block, V narrower than K, a head size no vector width divides (the
+    portable loops), GQA, MHA and MQA, against float64 on the same pages."""
+    k = isa_kernels(isa)
+    D, Dv = dims
+    lens = torch.tensor([1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 100, 129], dtype=torch.int32)
+    for num_heads, num_kv in [(9, 3), (4, 4), (8, 1)]:
+        g = torch.Generator().manual_seed(num_heads * 100 + page_size)
+        pages_per = [-(-int(s) // page_size) for s in lens]
+        num_pages = sum(pages_per) + 3
+        order = torch.randperm(num_pages, generator=g).tolist()
+        tables = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
+        for i, n in enumerate(pages_per):
+            tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
+        kp = torch.randn(num_kv, num_pages, page_size, D, generator=g).to(dtype)
+        vp = torch.randn(num_kv, num_pages, page_size, Dv, generator=g).to(dtype)
+        q = torch.randn(len(lens), num_heads, D, generator=g).to(dtype)
+        ours = k.paged_decode_attention(q, kp, vp, tables, lens, D**-0.5, window)
+        ref = _float64_attention(q, kp, vp, tables, lens, D**-0.5, window)
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=1e-5)
+        else:  # the kernel rounds its float32 result to bfloat16 once
+            torch.testing.assert_close(ours.double(), ref.to(dtype).double(), atol=2e-2, rtol=2e-2)

@@ -1,7 +1,7 @@
 """The fused ``qkv_attention`` op against the reference backend's rotary and
 attention on the same pages: decode batches (the C++ kernel), a mixed batch
 (this backend's own ops), GQA/MHA, both rotary styles, partial rotary, page
-sizes 16 and 7, bfloat16 and float32; and the llama model uses it."""
+sizes 16 and 7, with and without a sliding window, bfloat16 and float32; and the llama model uses it."""
 
 import pytest
 import torch
@@ -55,7 +55,8 @@ def _composed(table, qkv, positions, cos_sin, is_neox, cache, meta, *, num_heads
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa3", "mha"])
 @pytest.mark.parametrize("is_neox,rotary_dim", [(True, 64), (False, 64), (True, 32)], ids=["neox", "gptj", "partial"])
 @pytest.mark.parametrize("query_lens", [[1] * 6, [1, 5, 1, 1, 3, 1]], ids=["decode", "mixed"])
-def test_fused_equals_rotary_then_attention(ops, dtype, page_size, heads, is_neox, rotary_dim, query_lens):
+@pytest.mark.parametrize("window", [None, 20])
+def test_fused_equals_rotary_then_attention(ops, dtype, page_size, heads, is_neox, rotary_dim, query_lens, window):
     reference, table = ops
     num_heads, num_kv = heads
     dim = 64
@@ -66,7 +67,7 @@ def test_fused_equals_rotary_then_attention(ops, dtype, page_size, heads, is_neo
     qkv = torch.randn(t, (num_heads + 2 * num_kv) * dim, generator=g).to(dtype)
     angles = torch.rand(128, rotary_dim // 2, generator=g) * 6.28
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1)
-    kw = dict(num_heads=num_heads, num_kv_heads=num_kv, head_dim=dim, scale=dim**-0.5, sliding_window=None)
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv, head_dim=dim, scale=dim**-0.5, sliding_window=window)
     outs, caches = [], []
     for which in ("fused", "reference"):
         ops_ = table if which == "fused" else reference

@@ -6,11 +6,16 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -89,13 +94,247 @@ inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / st
 // sum of V. Every K and V row is read once; nothing is padded. The queries come
 // in as float32, already scaled (the fused op below rotates them straight
 // into that buffer).
+//
+// With AVX-512 or AVX2+FMA (and D, Dv multiples of the vector width) the
+// context goes in blocks of W tokens (16 or 8): the block's K rows are
+// converted to float32 once, each query head of the group keeps one
+// accumulator per token (D/W FMAs each) and one transpose-reduce turns the W
+// accumulators into W scores (instead of a horizontal sum per token); the
+// weighted sum of V loads each V chunk of the block once for all the group's
+// heads. Otherwise (no AVX, odd head sizes) the portable loops below.
 namespace {
+
+#if defined(__AVX512F__)
+struct Vec {
+  using R = __m512;
+  static constexpr int W = 16;
+  static inline R zero() { return _mm512_setzero_ps(); }
+  static inline R load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline R load(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+  static inline R set1(float x) { return _mm512_set1_ps(x); }
+  static inline R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static inline R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  // out[t] = sum of the lanes of a[t], t < 16: a tree of 128-bit and in-lane shuffles
+  static inline void reduce(const R* a, float* out) {
+    R r[8], u[4];
+    for (int i = 0; i < 8; ++i)
+      r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int j = 0; j < 4; ++j)  // quarter k of u[j]: token 4j + k
+      u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * j], r[2 * j + 1], 0x88),
+                           _mm512_shuffle_f32x4(r[2 * j], r[2 * j + 1], 0xDD));
+    const R s0 = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+    const R s1 = _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], 0x88), _mm512_shuffle_ps(u[2], u[3], 0xDD));
+    const R s = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x88), _mm512_shuffle_ps(s0, s1, 0xDD));
+    // lane 4k + m holds token 4m + k
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(idx, s));
+  }
+};
+#define PLINTH_VEC_ATTENTION 1
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Vec {
+  using R = __m256;
+  static constexpr int W = 8;
+  static inline R zero() { return _mm256_setzero_ps(); }
+  static inline R load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline R load(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static inline R set1(float x) { return _mm256_set1_ps(x); }
+  static inline R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static inline R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline void reduce(const R* a, float* out) {  // out[t] = sum of the lanes of a[t], t < 8
+    const R t01 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const R t23 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(t01, t23, 0x20), _mm256_permute2f128_ps(t01, t23, 0x31)));
+  }
+};
+#define PLINTH_VEC_ATTENTION 1
+#endif
+
+// softmax over the n scores in place (the portable loops vectorize: fast_exp)
+inline void softmax_inplace(float* sg, int64_t n) {
+  float m = -std::numeric_limits<float>::max();
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    sg[t] = fast_exp(sg[t] - m);
+    sum += sg[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+}
+
+#ifdef PLINTH_VEC_ATTENTION
+// rows[t] = the page row (page * ps + offset) of position pos + t, t < m:
+// one division per block, not one per token
+inline int64_t block_rows(const int32_t* table, int64_t pos, int64_t m, int64_t ps, int64_t* rows) {
+  int64_t page = pos / ps, off = pos % ps;
+  for (int64_t t = 0; t < m; ++t) {
+    rows[t] = static_cast<int64_t>(table[page]) * ps + off;
+    if (++off == ps) {
+      off = 0;
+      ++page;
+    }
+  }
+  return m;
+}
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// one (sequence, KV head): qf [G, D] scaled queries; out [G, Dv] (stride Dv);
+// scratch: scores G * npad, kbuf W * D, acc G * Dv floats, qbf 2 G D; zrow max(D, Dv) zeros.
+template <typename T>
+void attend_blocks(const float* qf, const T* kp, const T* vp, T* out, const int32_t* table, int64_t start,
+                   int64_t n, int64_t G, int64_t D, int64_t Dv, int64_t ps, float* scores, float* kbuf, float* acc,
+                   uint16_t* qbf, const T* zrow) {
+  using R = Vec::R;
+  constexpr int W = Vec::W;
+  const int64_t npad = (n + W - 1) / W * W, DC = D / W, DVC = Dv / W;
+  int64_t krows[W], nrows[W];
+  // scores: a block of W K rows at a time, all the group's heads against it.
+  // float32 rows are read in place; bfloat16 rows with AVX512-BF16 too, by
+  // dot products of bf16 pairs against the query split in two bf16 parts
+  // (hi + lo: the query's float32 value to 16 bits, each product exact);
+  // otherwise the block's rows are converted to float32 once, into kbuf.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const bool dot = std::is_same<T, uint16_t>::value && D % 32 == 0;
+  if (dot) {
+    for (int64_t i = 0; i < G * D; ++i) {
+      const uint16_t hi = f32_to_bf16(qf[i]);
+      qbf[2 * i - i % D] = hi;  // [g][hi: D][lo: D]
+      qbf[2 * i - i % D + D] = f32_to_bf16(qf[i] - bf16_to_f32(hi));
+    }
+  }
+#else
+  const bool dot = false;
+#endif
+  const bool direct = std::is_same<T, float>::value || dot;
+  const T* kr[W];
+  for (int64_t blk = 0; blk < n; blk += W) {
+    const int64_t m = std::min<int64_t>(W, n - blk);
+    block_rows(table, start + blk, m, ps, krows);
+    if (direct) {
+      for (int64_t t = 0; t < W; ++t) kr[t] = t < m ? kp + krows[t] * D : zrow;
+    } else {
+      for (int64_t t = 0; t < m; ++t) {
+        const T* k = kp + krows[t] * D;
+        float* kb = kbuf + t * D;
+        for (int64_t c = 0; c < DC; ++c) Vec::store(kb + c * W, Vec::load(k + c * W));
+      }
+      for (int64_t t = m; t < W; ++t) std::memset(kbuf + t * D, 0, D * sizeof(float));
+    }
+    if (blk + W < n) {  // the next block's K rows and this block's V rows, from pages in no order
+      const int64_t mn = block_rows(table, start + blk + W, std::min<int64_t>(W, n - blk - W), ps, nrows);
+      for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * sizeof(T));
+    }
+    for (int64_t t = 0; t < m; ++t) prefetch_row(vp + krows[t] * Dv, Dv * sizeof(T));
+    for (int64_t g = 0; g < G; ++g) {
+      R a[W];
+      for (int t = 0; t < W; ++t) a[t] = Vec::zero();
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if (dot) {
+        const uint16_t* qh = qbf + 2 * g * D;
+        for (int64_t c = 0; c < D; c += 32) {
+          const __m512bh h = (__m512bh)_mm512_loadu_si512(qh + c);
+          const __m512bh l = (__m512bh)_mm512_loadu_si512(qh + D + c);
+          for (int t = 0; t < W; ++t) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kr[t]) + c);
+            a[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[t], h, kv), l, kv);
+          }
+        }
+        Vec::reduce(a, scores + g * npad + blk);
+        continue;
+      }
+#endif
+      const float* qg = qf + g * D;
+      if (direct) {
+        for (int64_t c = 0; c < DC; ++c) {
+          const R qc = Vec::load(qg + c * W);
+          for (int t = 0; t < W; ++t) a[t] = Vec::fma(qc, Vec::load(reinterpret_cast<const float*>(kr[t]) + c * W), a[t]);
+        }
+      } else {
+        for (int64_t c = 0; c < DC; ++c) {
+          const R qc = Vec::load(qg + c * W);
+          const float* kb = kbuf + c * W;
+          for (int t = 0; t < W; ++t) a[t] = Vec::fma(qc, Vec::load(kb + t * D), a[t]);
+        }
+      }
+      Vec::reduce(a, scores + g * npad + blk);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * npad;
+    softmax_inplace(sg, n);
+    for (int64_t t = n; t < npad; ++t) sg[t] = 0.f;
+  }
+  // weighted sum of V: each chunk of the block's V rows loaded once for the group
+  std::fill(acc, acc + G * Dv, 0.f);
+  const T* rows[W];
+  for (int64_t blk = 0; blk < n; blk += W) {
+    const int64_t m = std::min<int64_t>(W, n - blk);
+    block_rows(table, start + blk, m, ps, krows);
+    for (int64_t t = 0; t < W; ++t) rows[t] = t < m ? vp + krows[t] * Dv : zrow;
+    for (int64_t c = 0; c < DVC; ++c) {
+      R v[W];
+      for (int t = 0; t < W; ++t) v[t] = Vec::load(rows[t] + c * W);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = scores + g * npad + blk;
+        R a0 = Vec::mul(Vec::set1(p[0]), v[0]), a1 = Vec::mul(Vec::set1(p[1]), v[1]);
+        R a2 = Vec::mul(Vec::set1(p[2]), v[2]), a3 = Vec::mul(Vec::set1(p[3]), v[3]);
+        for (int t = 4; t < W; t += 4) {
+          a0 = Vec::fma(Vec::set1(p[t]), v[t], a0);
+          a1 = Vec::fma(Vec::set1(p[t + 1]), v[t + 1], a1);
+          a2 = Vec::fma(Vec::set1(p[t + 2]), v[t + 2], a2);
+          a3 = Vec::fma(Vec::set1(p[t + 3]), v[t + 3], a3);
+        }
+        float* o = acc + g * Dv + c * W;
+        Vec::store(o, Vec::add(Vec::load(o), Vec::add(Vec::add(a0, a1), Vec::add(a2, a3))));
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(out + g * Dv + d, acc[g * Dv + d]);
+}
+#endif
 
 template <typename T>
 void decode_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, const int32_t* tables,
                            const int32_t* lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t N,
                            int64_t ps, int64_t max_pages, int64_t window) {
   const int64_t G = Hq / Hkv;
+#ifdef PLINTH_VEC_ATTENTION
+  if (D % Vec::W == 0 && Dv % Vec::W == 0) {
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, kbuf(Vec::W * D), acc(G * Dv);
+      std::vector<T> zrow(std::max(D, Dv), T{});
+      std::vector<uint16_t> qbf(2 * G * D);
+      for (int64_t idx = begin; idx < end; ++idx) {
+        const int64_t b = idx / Hkv, h = idx % Hkv;
+        const int64_t L = lens[b];
+        const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+        const int64_t n = L - start;
+        scores.resize(G * ((n + Vec::W - 1) / Vec::W * Vec::W));
+        attend_blocks<T>(qf_all + (b * Hq + h * G) * D, kp + h * N * ps * D, vp + h * N * ps * Dv,
+                         op + (b * Hq + h * G) * Dv, tables + b * max_pages, start, n, G, D, Dv, ps, scores.data(),
+                         kbuf.data(), acc.data(), qbf.data(), zrow.data());
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(G * Dv), row(std::max(D, Dv));
     for (int64_t idx = begin; idx < end; ++idx) {
@@ -118,18 +357,7 @@ void decode_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op,
           scores[g * n + t] = s;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          sg[t] = fast_exp(sg[t] - m);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * n, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = start + t;
@@ -181,10 +409,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pages, tor
   auto tables_t = block_tables.contiguous();
   auto lens_t = seq_lens.contiguous();
   auto out = torch::empty({B, Hq, Dv}, q.options());
-  auto qf = (q.to(torch::kFloat32) * scale_d).contiguous();
+  auto qf = torch::empty({B, Hq, D}, q.options().dtype(torch::kFloat32));
+  const float scale = static_cast<float>(scale_d);
   dispatch(q, [&](auto tag) {
     using T = decltype(tag);
-    decode_attention_impl<T>(qf.data_ptr<float>(), cptr<T>(k_pages), cptr<T>(v_pages), ptr<T>(out),
+    const T* qp = cptr<T>(q);
+    float* qfp = qf.data_ptr<float>();
+    for (int64_t i = 0; i < B * Hq * D; ++i) qfp[i] = Elem<T>::load(qp + i) * scale;  // as q.float() * scale
+    decode_attention_impl<T>(qfp, cptr<T>(k_pages), cptr<T>(v_pages), ptr<T>(out),
                              tables_t.data_ptr<int32_t>(), lens_t.data_ptr<int32_t>(), B, Hq, Hkv, D, Dv, N, ps,
                              tables_t.size(1), window);
   });
