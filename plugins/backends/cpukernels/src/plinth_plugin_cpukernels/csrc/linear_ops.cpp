@@ -216,20 +216,22 @@ inline void ukernel_f32(const float* x, int64_t ldx, const float* w, int64_t wst
 }
 
 // ---------------------------------------------------------------- tiling
-// Register budget: AVX-512 has 32 zmm, AVX2 16 ymm (a block takes two).
+// Rows per group (MG) and blocks per microkernel (nr_for(rows)), within the
+// registers: AVX-512 has 32 zmm, AVX2 16 ymm (a block takes two). All the
+// rows of a group share each weight load, so a decode batch of up to MG rows
+// reads every weight line once and its multiplies overlap the stream.
 #if defined(PLINTH_LIN_AVX512)
-constexpr int MR_MAX = 4;
-constexpr int NR_M1 = 8;  // one row: more blocks in flight
-constexpr int NR_MANY = 4;
+constexpr int MG = 16;
+constexpr int nr_for(int mr) { return mr == 1 ? 8 : mr <= 4 ? 4 : mr <= 12 ? 2 : 1; }
 #elif defined(PLINTH_LIN_AVX2)
-constexpr int MR_MAX = 2;
-constexpr int NR_M1 = 3;
-constexpr int NR_MANY = 2;
+constexpr int MG = 6;
+constexpr int nr_for(int mr) { return mr == 1 ? 3 : mr == 2 ? 2 : 1; }
 #else
-constexpr int MR_MAX = 4;
-constexpr int NR_M1 = 4;
-constexpr int NR_MANY = 4;
+constexpr int MG = 4;
+constexpr int nr_for(int mr) { return mr > 0 ? 4 : 4; }
 #endif
+constexpr int TILE_FLOATS = 512;  // >= mr * nr_for(mr) * 16 for every mr <= MG
+constexpr int64_t CHUNK_BLOCKS = 8;  // blocks whose weights stay in L2 across row groups
 
 struct Problem {
   bool bf16;
@@ -253,22 +255,16 @@ inline void run_tile(const Problem& p, int64_t m0, int64_t nb0, float* tile) {
   }
 }
 
-template <int NR>
-inline void run_rows(const Problem& p, int64_t m0, int mr, int64_t nb0, float* tile) {
-  switch (mr) {
-    case 1: run_tile<1, NR>(p, m0, nb0, tile); break;
-    case 2: run_tile<2, NR>(p, m0, nb0, tile); break;
-    case 3: if constexpr (MR_MAX >= 3) run_tile<3, NR>(p, m0, nb0, tile); break;
-    case 4: if constexpr (MR_MAX >= 4) run_tile<4, NR>(p, m0, nb0, tile); break;
-  }
+template <int MR, int NR>
+inline void run_blocks(const Problem& p, int64_t m0, int64_t nb0, int nr, float* tile) {
+  if (nr >= NR) return run_tile<MR, NR>(p, m0, nb0, tile);
+  if constexpr (NR > 1) return run_blocks<MR, NR - 1>(p, m0, nb0, nr, tile);
 }
 
-template <int NRMAX>
-inline void run_blocks(const Problem& p, int64_t m0, int mr, int64_t nb0, int nr, float* tile) {
-  if constexpr (NRMAX >= 1) {
-    if (nr == NRMAX) return run_rows<NRMAX>(p, m0, mr, nb0, tile);
-    if constexpr (NRMAX > 1) return run_blocks<NRMAX - 1>(p, m0, mr, nb0, nr, tile);
-  }
+template <int MR>
+inline void run_group(const Problem& p, int64_t m0, int mr, int64_t nb0, int nr, float* tile) {
+  if (mr == MR) return run_blocks<MR, nr_for(MR)>(p, m0, nb0, nr, tile);
+  if constexpr (MR > 1) return run_group<MR - 1>(p, m0, mr, nb0, nr, tile);
 }
 
 template <typename Out>
@@ -380,24 +376,26 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor packed, int64_t N, int
     bptr = bias_f.data_ptr<float>();
   }
 
-  const int nr_max = M == 1 ? NR_M1 : NR_MANY;
-  const int64_t ntiles = (NB + nr_max - 1) / nr_max;
-  const int64_t tile_bytes = int64_t(nr_max) * BLK * K * (bf16 ? 2 : 4);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, tile_bytes));
-  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
-    alignas(64) float tile[MR_MAX * 8 * 16];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t nb0 = t * nr_max;
-      const int nr = int(std::min<int64_t>(nr_max, NB - nb0));
-      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-        const int mr = int(std::min<int64_t>(MR_MAX, M - m0));
-        if (nr_max == NR_M1) run_blocks<NR_M1>(p, m0, mr, nb0, nr, tile);
-        else run_blocks<NR_MANY>(p, m0, mr, nb0, nr, tile);
-        if (bf16)
-          store_tile(tile, mr, nr * 16, nb0 * BLK, N, bptr,
-                     reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + m0 * N, N);
-        else
-          store_tile(tile, mr, nr * 16, nb0 * BLK, N, bptr, y.data_ptr<float>() + m0 * N, N);
+  static_assert(MG * nr_for(MG) * 16 <= TILE_FLOATS && nr_for(1) * 16 <= TILE_FLOATS, "tile buffer");
+  const int64_t block_bytes = BLK * K * (bf16 ? 2 : 4);
+  const int64_t grain = std::max<int64_t>(nr_for(std::min<int64_t>(M, MG)), (int64_t(64) << 10) / std::max<int64_t>(1, block_bytes));
+  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    alignas(64) float tile[TILE_FLOATS];
+    for (int64_t c0 = b0; c0 < b1; c0 += CHUNK_BLOCKS) {
+      const int64_t c1 = std::min<int64_t>(b1, c0 + CHUNK_BLOCKS);
+      for (int64_t m0 = 0; m0 < M; m0 += MG) {
+        const int mr = int(std::min<int64_t>(MG, M - m0));
+        for (int64_t nb = c0; nb < c1;) {
+          const int nr = int(std::min<int64_t>(c1 - nb, 8));
+          run_group<MG>(p, m0, mr, nb, nr, tile);
+          const int done = std::min(nr, nr_for(mr));
+          if (bf16)
+            store_tile(tile, mr, done * 16, nb * BLK, N, bptr,
+                       reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + m0 * N, N);
+          else
+            store_tile(tile, mr, done * 16, nb * BLK, N, bptr, y.data_ptr<float>() + m0 * N, N);
+          nb += done;
+        }
       }
     }
   });
