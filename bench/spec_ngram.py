@@ -17,9 +17,12 @@ every figure is measured for the two back to back, so machine drift hits both.
 
 Workloads (128 output tokens, EOS ignored):
 * repetitive: the chat prompt "Repeat the following text exactly, word for
-  word:" + a 71-word, 3-sentence passage (batch 1); for the concurrency runs,
-  request i starts the passage with "Passage {i+1}." and rotates its
-  sentences by i mod 3.
+  word:" + a 6-sentence passage of 139 tokens (batch 1), which SmolLM2
+  copies for all 128 output tokens; for the concurrency runs, request i
+  starts the passage with "Passage {i+1}." and rotates its sentences by i
+  mod 6. --short-passage: the first 3 sentences (83 tokens), the first
+  version's workload, where the copy ends (EOS, ignored) after ~70 tokens
+  and the rest is made up, so only about half the output can be copied.
 * random: 64 random token ids in [1000, 40000) (seed 0 for batch 1; seed i+1
   for request i of the concurrency runs).
 Sampling: greedy, or temperature 1 with seed 1234 (top-p/top-k off).
@@ -42,7 +45,13 @@ PASSAGE = [
     "When the guesses are right, several tokens come out of a single step; when they are wrong, the model's own "
     "token is kept and nothing is lost but a little work.",
     "Prompt lookup is the simplest proposer: it copies what followed the last few tokens earlier in the text.",
+    "It needs no second model and no training, only the prompt and the output so far.",
+    "It works best when the answer repeats the question, as in editing, summarising or quoting a document.",
+    "On random text it rarely finds a match, and then it proposes nothing at all.",
 ]
+#: the first version's passage (--short-passage): 83 tokens, so SmolLM2 ended its copy
+#: (EOS, ignored) after ~70 of the 128 output tokens and made up the rest
+SHORT = 3
 INSTRUCTION = "Repeat the following text exactly, word for word:\n\n"
 
 
@@ -116,6 +125,7 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma-separated: batch1, throughput")
     ap.add_argument("--throughput-sampled", action="store_true", help="also the concurrency runs at temperature 1")
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp batch-1 on the same GGUF (llama_cpp installed)")
+    ap.add_argument("--short-passage", action="store_true", help="the first version's 3-sentence passage")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -137,7 +147,8 @@ def main() -> int:
           f"{d.get('dtype')}; {res['threads']} threads; torch {res['torch']}; load {res['load_start']}", flush=True)
 
     tok = llms["none"].get_tokenizer()
-    rep = chat(tok, INSTRUCTION + " ".join(PASSAGE))
+    passage = PASSAGE[:SHORT] if args.short_passage else PASSAGE
+    rep = chat(tok, INSTRUCTION + " ".join(passage))
     rnd = random_prompt(0)
     N = args.max_tokens
     samplings = {
@@ -177,7 +188,8 @@ def main() -> int:
 
     if "throughput" not in skip:
         res["throughput"] = []
-        reps = [chat(tok, INSTRUCTION + f"Passage {i + 1}. " + " ".join(PASSAGE[i % 3:] + PASSAGE[: i % 3]))
+        m = len(passage)
+        reps = [chat(tok, INSTRUCTION + f"Passage {i + 1}. " + " ".join(passage[i % m:] + passage[: i % m]))
                 for i in range(args.num_prompts)]
         rnds = [random_prompt(i + 1) for i in range(args.num_prompts)]
         sets = [("repetitive", reps, "greedy"), ("random", rnds, "greedy")]

@@ -64,6 +64,9 @@ class FakeStepClock:
 
 def make_llm(path, **kw):
     kw.setdefault("load_progress", False)
+    # a fixed token budget: "auto" times forwards at start-up, and two engines
+    # compared step by step must plan the same steps
+    kw.setdefault("max_num_batched_tokens", 512)
     llm = LLM(path, dtype="float32", backend="torch", registry=registry(), **kw)
     if llm.engine.spec is not None:
         # the step cost model on a machine where scored positions are free:
@@ -573,8 +576,7 @@ def test_cost_model_plan():
     assert w.plan(1, [(0.3, 4)]) == [4]
     assert w.plan(1, [(0.01, 4)]) == [1]  # 0.01 beats 0.1 ms / 20 ms; 0.003 does not
     assert w.plan(1, [(0.003, 4)]) == [0]
-    # measuring stops once the next size has PROBE_SAMPLES samples, and never takes
-    # more than EXPLORE_SHARE of the steps' time
+    # measuring (one position more than the plan keeps) takes 1% of the steps' time
     h = StepCostModel()
     h.observe(4, 0, 0.01)
     probes = 0
@@ -582,8 +584,8 @@ def test_cost_model_plan():
         keep = h.plan(4, [(0.01, 4)] * 4)
         h.observe(4, sum(keep), 0.01 + 0.01 * sum(keep))
         probes += sum(keep)
-    assert probes == 4
-    assert h.explored <= 0.02 * h.total
+    assert probes == 11  # 1000 steps of 10 ms: 100 ms of measuring at 10 ms, and one over
+    assert h.explored == pytest.approx(0.01 * probes) and h.explored <= 0.01 * h.total + 0.01
 
 
 class _SimSeq:
@@ -609,6 +611,10 @@ def int_kernel(tokens: int) -> float:
     """Step seconds on a compute-bound machine with a kink: shaped like SmolLM2's
     Q4_1 decode on one core (block kernel below 12 rows, a dense GEMM from 12)."""
     return 0.0045 + 0.0055 * tokens if tokens < 12 else 0.036 + 0.0024 * (tokens - 12)
+
+
+def compute_bound(tokens: int) -> float:
+    return 0.002 + 0.0025 * tokens
 
 
 def weight_bound(tokens: int) -> float:
@@ -667,21 +673,24 @@ def simulate(step_time, accept: bool, steps: int = 4000, seed: int = 0) -> dict:
     return {"overhead": spec_s / plain_s - 1, "speedup": tokens / spec_s / plain_tokens_s, "kept": kept, "spec": spec}
 
 
-@pytest.mark.parametrize("curve", [int_kernel, weight_bound])
+@pytest.mark.parametrize("curve", [int_kernel, compute_bound, weight_bound])
 def test_hostile_workload_costs_under_the_bound(curve):
     """Every proposal fails, batch sizes change all the time: the steps take
-    at most 3% longer than the same steps without proposals (measuring: under
-    2% by construction; probes the plan keeps on the prior: the rest)."""
+    at most 2% longer than the same steps without proposals (measuring: 1%
+    by construction; positions the plan keeps on a prior or a probe: the
+    rest). On the Q4_1-shaped curve they even take less: past the kink at
+    12 rows, scoring positions that fail is cheaper than not."""
     r = simulate(curve, accept=False)
-    assert r["overhead"] < 0.03, r["overhead"]
-    assert r["spec"].cost_model.explored <= 0.02 * r["spec"].cost_model.total
+    assert r["overhead"] < 0.02, r["overhead"]
+    cm = r["spec"].cost_model
+    assert cm.explored <= cm.explore_share * cm.total + max(curve(17) - curve(16), curve(2) - curve(1))
 
 
-@pytest.mark.parametrize("curve", [int_kernel, weight_bound])
+@pytest.mark.parametrize("curve", [int_kernel, compute_bound, weight_bound])
 def test_friendly_workload_reaches_full_k(curve):
     """Every proposal passes: where scored positions are nearly free, steps
-    soon score k = 4 per sequence; on the compute-bound curve, fewer where
-    the batch is large, and it still wins."""
+    soon score k = 4 per sequence; where each costs nearly a token, k = 4 at
+    small batches and fewer where the batch is large, and it still wins."""
     r = simulate(curve, accept=True)
     late = r["kept"][len(r["kept"]) // 2 :]
     if curve is weight_bound:
@@ -689,6 +698,6 @@ def test_friendly_workload_reaches_full_k(curve):
         assert sum(x for _, x in late) > 0.95 * sum(4 * b for b, _ in late)
         assert r["speedup"] > 3.2
     else:
-        assert r["speedup"] > 1.1
+        assert r["speedup"] > (1.5 if curve is int_kernel else 1.03)
         one = [x for b, x in late if b == 1]
         assert one and sum(one) / len(one) >= 3  # batch 1: k = 3 or 4

@@ -107,11 +107,9 @@ class _SeqState:
 
 #: step times kept per number of tokens scored
 COST_SAMPLES = 16
-#: samples of a step size that measuring (below) gathers at most
-PROBE_SAMPLES = 4
 #: share of the decode steps' time that measuring may spend on proposals the
 #: plan would not keep
-EXPLORE_SHARE = 0.02
+EXPLORE_SHARE = 0.01
 
 
 class StepCostModel:
@@ -125,15 +123,17 @@ class StepCostModel:
     and batch sizes that come and go as requests do all feed one curve
     instead of each waiting for its own measurements. t(T) is the fastest
     of the recent decode-only steps of T tokens (the lowest, not the
-    median: on a shared machine contention only ever adds time), made
-    non-decreasing in T; between measured sizes it is interpolated,
-    beyond the largest extrapolated along the chord from the largest
-    measured size at most half as big (else the smallest; with one size
-    measured, in proportion to T: the compute-bound guess, which keeps
-    nothing). Nothing
-    is assumed about the hardware: a weight-bound step measures a flat
-    curve, a compute-bound one a steep one, a kernel that changes path at
-    some row count a kink.
+    median: on a shared machine contention only ever adds time); between
+    measured sizes it is interpolated, beyond the largest extrapolated
+    along the chord (never falling) from the largest measured size at most
+    half as big (else the smallest; with one size measured, in proportion
+    to T: the compute-bound guess, which keeps nothing). It is not forced
+    to rise with T: a kernel that changes path at some row count can make
+    more rows cheaper (SmolLM2's Q4_1 decode on one core: 46 ms for 8 rows,
+    36 ms for 12), and a plan that believed otherwise would take positions
+    past the kink for free. Nothing is assumed about the hardware: a weight-bound step
+    measures a flat curve, a compute-bound one a steep one, a kernel that
+    changes path at some row count a kink.
 
     Decision: position j of a sequence whose positions pass with probability
     a each passes with probability a^j (it needs all before it), and adds
@@ -141,40 +141,40 @@ class StepCostModel:
     likely first, that maximise expected tokens per second,
     (B + sum of kept a^j) / t(B + kept).
 
-    Measuring: a size above the curve is learnt by scoring one position
-    more than the plan keeps (the likeliest left out), at most PROBE_SAMPLES
-    times per size, and only while what such steps cost beyond a plain
-    step stays under EXPLORE_SHARE (2%) of all decode steps' time. So where
-    speculation never pays, measuring costs under 2% of the time, and once
-    the sizes next to the batch are known it stops. Steps that keep
-    proposals measure their own size as they go."""
+    Measuring: where the plan leaves positions out, a step may score one
+    more (the likeliest left out) while what such steps cost beyond a plain
+    step stays under EXPLORE_SHARE (1%) of all decode steps' time (charged
+    at the curve's estimate when planned, corrected by the measured time
+    when the step is decode-only). That learns sizes above the curve, and
+    the acceptance of sequences the plan would not try: without it a
+    workload that turned friendly after a hostile phase would never be
+    tried again. So where speculation never pays, measuring costs at most
+    1% of the time. Steps that keep proposals measure their own size as
+    they go."""
 
     def __init__(self, explore_share: float = EXPLORE_SHARE) -> None:
         self.samples: dict[int, deque] = {}  # tokens scored -> recent step seconds
         self.explore_share = explore_share
         self.total = 0.0  # seconds of decode-only steps observed
         self.explored = 0.0  # seconds those steps spent measuring, beyond a plain step
-        self._measuring: int | None = None  # the plan's step measures: its plain batch size
+        #: the planned step measures: (its batch size, tokens the plan alone would score, charge)
+        self._measuring: tuple[int, int, float] | None = None
         self._curve: list[tuple[int, float]] | None = None
 
     def observe(self, num_seqs: int, num_proposed: int, seconds: float) -> None:
         """A decode-only step of num_seqs sequences scored num_proposed proposals."""
-        if self._measuring == num_seqs and num_proposed:
-            plain = self.estimate(num_seqs)
-            self.explored += max(0.0, seconds - plain) if plain is not None else seconds
+        if self._measuring is not None and self._measuring[0] == num_seqs and num_proposed:
+            _, planned, charge = self._measuring
+            self.explored += seconds - self.estimate(planned) - charge  # the measured extra, not the estimate
         self._measuring = None
         self.samples.setdefault(num_seqs + num_proposed, deque(maxlen=COST_SAMPLES)).append(seconds)
         self.total += seconds
         self._curve = None
 
     def curve(self) -> list[tuple[int, float]]:
-        """(tokens, seconds) of the measured sizes, non-decreasing."""
+        """(tokens, seconds) of the measured sizes."""
         if self._curve is None:
-            pts, top = [], 0.0
-            for n in sorted(self.samples):
-                top = max(top, min(self.samples[n]))
-                pts.append((n, top))
-            self._curve = pts
+            self._curve = [(n, min(self.samples[n])) for n in sorted(self.samples)]
         return self._curve
 
     def estimate(self, tokens: int) -> float | None:
@@ -195,7 +195,7 @@ class StepCostModel:
             return t1 * tokens / n1
         # the chord from the largest size at most half as big (else the smallest): one noisy neighbour does not set the slope
         n0, t0 = next((p for p in reversed(pts) if 2 * p[0] <= n1), pts[0])
-        return t1 + (t1 - t0) * (tokens - n1) / (n1 - n0)
+        return t1 + max(0.0, t1 - t0) * (tokens - n1) / (n1 - n0)
 
     def plan(self, num_seqs: int, offers: Seq[tuple[float, int]]) -> list[int]:
         """offers: per sequence with proposals, (chance a position passes,
@@ -214,14 +214,11 @@ class StepCostModel:
             rate = expected / self.estimate(num_seqs + kept)
             if rate > best_rate:
                 best, best_rate = kept, rate
-        size = num_seqs + best + 1
-        if (
-            best < len(positions)
-            and len(self.samples.get(size, ())) < PROBE_SAMPLES
-            and self.explored < self.explore_share * self.total
-        ):
-            best += 1  # measure the next size (see the class docstring)
-            self._measuring = num_seqs
+        if best < len(positions) and self.explored < self.explore_share * self.total:
+            charge = self.estimate(num_seqs + best + 1) - self.estimate(num_seqs + best)
+            self.explored += charge
+            self._measuring = (num_seqs, num_seqs + best, charge)
+            best += 1  # measure (see the class docstring)
         keep = [0] * len(offers)
         for _, i in positions[:best]:
             keep[i] += 1
