@@ -27,10 +27,10 @@ Adaptive k: ``StepCostModel.plan`` decides, for the whole step, which
 proposal positions are scored: those that raise expected tokens per second
 given the measured cost of a step by tokens scored (one curve for every
 batch size) and each sequence's acceptance, shrunk towards the recent
-all-sequence rate. What a sequence offers it is ``_SeqState``'s: k, a
-one-token probe after a step whose proposals all failed (or, while the
-all-sequence rate is under 1/2, for a new sequence), then pauses of 1, 2,
-4 ... 32 steps between probes while they keep failing. The bound on a
+all-sequence rate (so a new sequence is judged by how proposals are
+faring now). What a sequence offers is ``_SeqState``'s: k, a one-token
+probe after a step whose proposals all failed, then pauses of 1, 2, 4 ...
+32 steps between probes while they keep failing. The bound on a
 hostile workload is in docs/architecture.md.
 """
 
@@ -64,8 +64,6 @@ ACCEPTANCE_PRIOR = 2.0
 #: how fast the all-sequence acceptance forgets (per judged position): a
 #: sampled batch after a greedy one must not inherit the greedy rate for long
 PRIOR_DECAY = 0.9
-#: below this all-sequence acceptance a new sequence starts with a one-token probe
-TRUST = 0.5
 
 
 @dataclass
@@ -110,6 +108,10 @@ COST_SAMPLES = 16
 #: share of the decode steps' time that measuring may spend on proposals the
 #: plan would not keep
 EXPLORE_SHARE = 0.01
+#: per decode step, how much of the time and measuring counted so far is kept
+#: (a horizon of ~100 steps: a long friendly run builds up no credit that a
+#: hostile one could then spend at once)
+EXPLORE_DECAY = 0.99
 
 
 class StepCostModel:
@@ -142,10 +144,12 @@ class StepCostModel:
     (B + sum of kept a^j) / t(B + kept).
 
     Measuring: where the plan leaves positions out, a step may score one
-    more (the likeliest left out) while what such steps cost beyond a plain
-    step stays under EXPLORE_SHARE (1%) of all decode steps' time (charged
-    at the curve's estimate when planned, corrected by the measured time
-    when the step is decode-only). That learns sizes above the curve, and
+    more (the likeliest left out) while what that position costs by the
+    curve stays under EXPLORE_SHARE (1%) of the decode steps' time, both
+    counted over the last ~100 steps (EXPLORE_DECAY). The curve's estimate,
+    not the step's measured time: on a shared machine the measured time
+    carries others' work, and a few slow steps must not stop measuring for
+    long. That learns sizes above the curve, and
     the acceptance of sequences the plan would not try: without it a
     workload that turned friendly after a hostile phase would never be
     tried again. So where speculation never pays, measuring costs at most
@@ -155,20 +159,15 @@ class StepCostModel:
     def __init__(self, explore_share: float = EXPLORE_SHARE) -> None:
         self.samples: dict[int, deque] = {}  # tokens scored -> recent step seconds
         self.explore_share = explore_share
-        self.total = 0.0  # seconds of decode-only steps observed
-        self.explored = 0.0  # seconds those steps spent measuring, beyond a plain step
-        #: the planned step measures: (its batch size, tokens the plan alone would score, charge)
-        self._measuring: tuple[int, int, float] | None = None
+        self.total = 0.0  # seconds of decode-only steps observed (decayed)
+        self.explored = 0.0  # seconds of positions scored only to measure (decayed)
         self._curve: list[tuple[int, float]] | None = None
 
     def observe(self, num_seqs: int, num_proposed: int, seconds: float) -> None:
         """A decode-only step of num_seqs sequences scored num_proposed proposals."""
-        if self._measuring is not None and self._measuring[0] == num_seqs and num_proposed:
-            _, planned, charge = self._measuring
-            self.explored += seconds - self.estimate(planned) - charge  # the measured extra, not the estimate
-        self._measuring = None
         self.samples.setdefault(num_seqs + num_proposed, deque(maxlen=COST_SAMPLES)).append(seconds)
-        self.total += seconds
+        self.total = EXPLORE_DECAY * self.total + seconds
+        self.explored *= EXPLORE_DECAY
         self._curve = None
 
     def curve(self) -> list[tuple[int, float]]:
@@ -200,7 +199,6 @@ class StepCostModel:
     def plan(self, num_seqs: int, offers: Seq[tuple[float, int]]) -> list[int]:
         """offers: per sequence with proposals, (chance a position passes,
         proposals offered). Returns how many of each to score."""
-        self._measuring = None
         base = self.estimate(num_seqs)
         if base is None or base <= 0:
             return [0] * len(offers)  # a plain step measures this size first
@@ -215,9 +213,7 @@ class StepCostModel:
             if rate > best_rate:
                 best, best_rate = kept, rate
         if best < len(positions) and self.explored < self.explore_share * self.total:
-            charge = self.estimate(num_seqs + best + 1) - self.estimate(num_seqs + best)
-            self.explored += charge
-            self._measuring = (num_seqs, num_seqs + best, charge)
+            self.explored += self.estimate(num_seqs + best + 1) - self.estimate(num_seqs + best)
             best += 1  # measure (see the class docstring)
         keep = [0] * len(offers)
         for _, i in positions[:best]:
@@ -290,8 +286,7 @@ class SpecDecoder:
             decoding += 1
             st = self.states.get(seq.seq_id)
             if st is None:
-                # a new sequence starts at full k only while proposals are passing
-                st = self.states[seq.seq_id] = _SeqState(misses=int(self.acceptance() < TRUST))
+                st = self.states[seq.seq_id] = _SeqState()
             p = seq.params
             # never past max_tokens or the context: those proposals could only be wasted
             k = min(st.offer(self.k), p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
