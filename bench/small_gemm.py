@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--wall", action="store_true", help="wall clock (perf_counter) instead of thread CPU time")
+    ap.add_argument("--step", type=int, default=0, metavar="STEPS",
+                    help="instead: a decode step's linears (SmolLM2-135M: 30 layers of qkv, o, gate_up, down, then lm_head, "
+                         "random weights), ours and oneDNN alternating step by step, STEPS each per row count; medians")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.wall:
@@ -60,6 +63,8 @@ def main() -> None:
     isa = load_accelerator("cpu").info().isa
     k = load_linear_kernels(isa)
     print(f"# kernel path: {k.linear_kernel_path()}; threads {args.threads}; clock {'wall' if args.wall else 'thread_time'}")
+    if args.step:
+        return steps(k, args)
     print("| dtype | shape | M | weights | ours us | oneDNN us | ours GB/s | oneDNN GB/s | ours GFLOP/s | oneDNN GFLOP/s | oneDNN/ours |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     mk = torch.ops.mkldnn
@@ -90,6 +95,44 @@ def main() -> None:
                         f"{nbytes / t_ours / 1e9:.1f} | {nbytes / t_dnn / 1e9:.1f} | {flop / t_ours / 1e9:.0f} | {flop / t_dnn / 1e9:.0f} | {t_dnn / t_ours:.2f} |",
                         flush=True,
                     )
+
+
+def steps(k, args) -> None:
+    import statistics
+
+    mk = torch.ops.mkldnn
+    layer = [SHAPES[n] for n in ("qkv 576->960", "o 576->576", "gate_up 576->3072", "down 1536->576")]
+    print("| dtype | M | ours ms/step | oneDNN ms/step | oneDNN/ours | ours GB/s | ours GFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for dname in args.dtype.split(","):
+        dtype = getattr(torch, dname)
+        shapes = layer * 30 + [SHAPES["lm_head 576->49152"]]
+        ws = [torch.randn(n, kdim).to(dtype) for n, kdim in shapes]
+        ours = [k.linear_pack(w) for w in ws]
+        dnn = [mk._reorder_linear_weight(w) for w in ws]
+        del ws
+        nbytes = sum(n * kdim for n, kdim in shapes) * dtype.itemsize
+        for m in [int(r) for r in args.rows.split(",")]:
+            xs = {kdim: torch.randn(m, kdim).to(dtype) for _, kdim in shapes}
+
+            def run_ours():
+                for (n, kdim), w in zip(shapes, ours):
+                    k.linear_small(xs[kdim], w, n, kdim, None)
+
+            def run_dnn():
+                for (n, kdim), w in zip(shapes, dnn):
+                    mk._linear_pointwise(xs[kdim], w, None, "none", [], "")
+
+            t_ours, t_dnn = [], []
+            run_ours(), run_dnn()
+            for _ in range(args.step):
+                for fn, acc in ((run_ours, t_ours), (run_dnn, t_dnn)):
+                    t = time.thread_time()
+                    fn()
+                    acc.append(time.thread_time() - t)
+            a, b = statistics.median(t_ours), statistics.median(t_dnn)
+            flop = 2 * m * nbytes / dtype.itemsize
+            print(f"| {dname} | {m} | {a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f} | {nbytes / a / 1e9:.1f} | {flop / a / 1e9:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
