@@ -1,13 +1,17 @@
 """Micro benchmark of cpukernels' paged decode attention on SmolLM2-135M's
 shapes (9 query heads, 3 KV heads, D=64), one thread, CPU time
-(``time.thread_time``, so it holds on a loaded machine).
+(``time.thread_time``, so it holds up on a loaded machine).
 
-    .venv/bin/python bench/decode_attention.py [--source csrc.cpp] [--isa avx2,fma]
+    .venv/bin/python bench/decode_attention.py [--source A.cpp --source B.cpp] [--isa avx2,fma]
 
-``--source`` builds another copy of csrc/cpu_ops.cpp (e.g. the one before a
-change, from ``git show``) to compare; ``--isa`` narrows the instruction sets
-as PLINTH_CPU_ISA does. Prints us per call (the best of 7 rounds) and GFLOP/s (4 * Hq * D flops per
-context token: the scores and the weighted sum)."""
+Each ``--source`` builds its own copy of a csrc/cpu_ops.cpp (e.g. the one
+before a change, from ``git show REV:path > A.cpp``; default: the current
+one); the copies are timed in turn, round after round, and each keeps its
+best round (other processes only ever add time), so a comparison made on a
+busy machine is fair. ``--isa`` narrows the instruction sets as
+PLINTH_CPU_ISA does. Prints us per call (per layer) and GFLOP/s (4 * Hq * D
+flops per context token: the scores and the weighted sum), and each copy's
+speed-up over the first."""
 
 from __future__ import annotations
 
@@ -20,51 +24,68 @@ import torch
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--source", type=Path, default=None)
+    p.add_argument("--source", type=Path, action="append", default=None)
     p.add_argument("--isa", default=None, help="comma-separated, default: this CPU's")
     p.add_argument("--contexts", default="128,512,1024")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--heads", default="9,3,64")
-    p.add_argument("--min-time", type=float, default=0.3, help="CPU seconds per case")
+    p.add_argument("--heads", default="9,3,64", help="Hq,Hkv,D")
+    p.add_argument("--layers", type=int, default=1, help="KV pages of this many layers, called in turn (30: a model's, out of cache)")
+    p.add_argument("--pages", choices=("random", "sequential"), default="random", help="page order of each sequence's table")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--round-time", type=float, default=0.05, help="CPU seconds per round and copy")
     args = p.parse_args()
 
     from plinth.api import load_accelerator
     from plinth_plugin_cpukernels import kernels as kmod
 
     isa = args.isa.split(",") if args.isa else list(getattr(load_accelerator("cpu").info(), "isa", ()) or ())
-    source = args.source or kmod.SOURCE
-    k = kmod.load_extension(source, kmod.FUNCTIONS, isa, prefix="plinth_cpukernels_bench" if args.source else "plinth_cpukernels")
+    sources = args.source or [kmod.SOURCE]
+    mods = [kmod.load_extension(s, kmod.FUNCTIONS, isa, prefix=f"plinth_cpukernels_bench{i}") for i, s in enumerate(sources)]
     torch.set_num_threads(1)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     ps = args.page_size
-    print(f"source {source}, isa {','.join(sorted(isa))}, one thread, Hq={hq} Hkv={hkv} D={d} page {ps}")
-    print("| dtype | batch | context | us/call | GFLOP/s |\n|---|---:|---:|---:|---:|")
+    print(f"isa {','.join(sorted(isa))}; one thread; Hq={hq} Hkv={hkv} D={d}; page size {ps} ({args.pages} order); {args.layers} layer(s)")
+    for i, s in enumerate(sources):
+        print(f"copy {i}: {s}")
+    head = " | ".join(f"copy {i} us | GFLOP/s" + (" | x" if i else "") for i in range(len(mods)))
+    print(f"| dtype | batch | context | {head} |")
+    print("|---|---:|---:|" + "---:|" * (3 * len(mods) - 1))
     for dtype in [getattr(torch, x) for x in args.dtypes.split(",")]:
         for b in (int(x) for x in args.batches.split(",")):
             for ctx in (int(x) for x in args.contexts.split(",")):
                 g = torch.Generator().manual_seed(0)
                 pages_per = -(-ctx // ps)
                 n = b * pages_per + 1
-                kp = torch.randn(hkv, n, ps, d, generator=g).to(dtype)
-                vp = torch.randn(hkv, n, ps, d, generator=g).to(dtype)
-                tables = torch.randperm(n - 1, generator=g)[: b * pages_per].view(b, pages_per).to(torch.int32)
+                kvs = [
+                    (torch.randn(hkv, n, ps, d, generator=g).to(dtype), torch.randn(hkv, n, ps, d, generator=g).to(dtype))
+                    for _ in range(args.layers)
+                ]
+                order = torch.randperm(n - 1, generator=g) if args.pages == "random" else torch.arange(n - 1)
+                tables = order[: b * pages_per].view(b, pages_per).to(torch.int32)
                 lens = torch.full((b,), ctx, dtype=torch.int32)
                 q = torch.randn(b, hq, d, generator=g).to(dtype)
-                call = lambda: k.paged_decode_attention(q, kp, vp, tables, lens, d**-0.5, 0)  # noqa: E731
-                for _ in range(3):
-                    call()
-                us = float("inf")  # the best of 7 rounds: other processes only ever add time
-                for _ in range(7):
-                    reps, t0 = 0, time.thread_time()
-                    while time.thread_time() - t0 < args.min_time / 7:
-                        for _ in range(5):
-                            call()
-                        reps += 5
-                    us = min(us, (time.thread_time() - t0) / reps * 1e6)
+
+                def call(k):
+                    for kp, vp in kvs:
+                        k.paged_decode_attention(q, kp, vp, tables, lens, d**-0.5, 0)
+
+                best = [float("inf")] * len(mods)
+                for k in mods:
+                    call(k)
+                for _ in range(args.rounds):
+                    for i, k in enumerate(mods):
+                        reps, t0 = 0, time.thread_time()
+                        while time.thread_time() - t0 < args.round_time:
+                            call(k)
+                            reps += 1
+                        best[i] = min(best[i], (time.thread_time() - t0) / reps / args.layers * 1e6)
                 flops = 4 * hq * d * ctx * b
-                print(f"| {str(dtype).split('.')[-1]} | {b} | {ctx} | {us:.1f} | {flops / us / 1e3:.1f} |")
+                cells = " | ".join(
+                    f"{us:.1f} | {flops / us / 1e3:.1f}" + (f" | {best[0] / us:.2f}" if i else "") for i, us in enumerate(best)
+                )
+                print(f"| {str(dtype).split('.')[-1]} | {b} | {ctx} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

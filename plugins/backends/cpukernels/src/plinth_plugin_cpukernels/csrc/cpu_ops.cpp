@@ -211,11 +211,13 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, T* out, const int3
   // otherwise the block's rows are converted to float32 once, into kbuf.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   const bool dot = std::is_same<T, uint16_t>::value && D % 32 == 0;
+  bool lo_parts = false;  // a bf16 query times a power-of-two scale (D = 64) has none
   if (dot) {
     for (int64_t i = 0; i < G * D; ++i) {
-      const uint16_t hi = f32_to_bf16(qf[i]);
+      const uint16_t hi = f32_to_bf16(qf[i]), lo = f32_to_bf16(qf[i] - bf16_to_f32(hi));
       qbf[2 * i - i % D] = hi;  // [g][hi: D][lo: D]
-      qbf[2 * i - i % D + D] = f32_to_bf16(qf[i] - bf16_to_f32(hi));
+      qbf[2 * i - i % D + D] = lo;
+      lo_parts |= (lo & 0x7FFF) != 0;
     }
   }
 #else
@@ -250,9 +252,14 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, T* out, const int3
         for (int64_t c = 0; c < D; c += 32) {
           const __m512bh h = (__m512bh)_mm512_loadu_si512(qh + c);
           const __m512bh l = (__m512bh)_mm512_loadu_si512(qh + D + c);
-          for (int t = 0; t < W; ++t) {
-            const __m512bh kv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kr[t]) + c);
-            a[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[t], h, kv), l, kv);
+          if (lo_parts) {
+            for (int t = 0; t < W; ++t) {
+              const __m512bh kv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kr[t]) + c);
+              a[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[t], h, kv), l, kv);
+            }
+          } else {
+            for (int t = 0; t < W; ++t)
+              a[t] = _mm512_dpbf16_ps(a[t], h, (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kr[t]) + c));
           }
         }
         Vec::reduce(a, scores + g * npad + blk);
