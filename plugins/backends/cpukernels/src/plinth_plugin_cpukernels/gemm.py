@@ -11,21 +11,28 @@ For decode batches (up to ``SMALL_ROWS`` activation rows, by kernel path and
 dtype) a second copy of the weight, repacked for streaming (bf16: pairs
 ``[N/16][K/2][16][2]`` that one 64-byte load feeds to ``vdpbf16ps`` for 16
 outputs; fp32: ``[N/16][K][16]``), is multiplied by ``linear_small``: rows x
-blocks of 16 outputs held in registers over the whole K, fp32 accumulation,
+blocks of 16 outputs held in registers over the whole K (up to 16 rows
+share each weight load, so a decode batch streams every weight line once;
+software prefetch 48 lines ahead), fp32 accumulation,
 ``at::parallel_for`` over the output blocks, the code path chosen at compile
 time from the instruction sets (AVX512-BF16, AVX-512F, AVX2+FMA, scalar). Its
 bfloat16 results match ``F.linear`` to bfloat16 rounding, not bit for bit
-(another summation order). The rule is fixed, from bench/small_gemm.py (one
-thread, ``time.thread_time``, SmolLM2-135M's shapes on a 2-core AMD EPYC Zen 4
-with avx512_bf16, a loaded machine): with vdpbf16ps it took 0.6-0.9x
-oneDNN's time at 1-4 rows, 0.5-0.9x at 8 and 0.8-1.0x at 16 (except the
-49152-row lm_head from 4 rows on: 0.9-1.1x, a tie), and 0.4-0.9x in fp32 up
-to 8 rows (0.8-1.2x at 16: a tie, left to oneDNN); the AVX2+FMA build
-(``PLINTH_CPU_ISA=avx2,fma ONEDNN_MAX_CPU_ISA=AVX2``, fp32) 0.3-0.8x up to 4
-rows, 0.6-1.0x at 8, 0.7-1.2x at 16. At 32 rows and more bf16 runs at par
-with oneDNN (both about 190 GFLOP/s a thread there) and fp32 at 0.9x. Both copies are kept only while the streaming
-copies fit ``SMALL_COPY_SHARE`` of the memory available at the first weight;
-beyond it (and where ``SMALL_ROWS`` is 0) oneDNN runs every batch.
+(another summation order).
+
+The rule is fixed, from ``bench/small_gemm.py`` (one thread,
+``time.thread_time``, on a loaded 2-core AMD EPYC Zen 4 with avx512_bf16).
+``--step``: the 121 linears of a SmolLM2-135M decode step (random weights,
+read from memory as in decode), ours and oneDNN alternating step by step,
+oneDNN's time over ours at 1, 2, 4, 8, 16 rows: bf16 1.50, 1.45, 1.13, 1.19,
+1.13; fp32 1.60, 1.67, 1.29, 1.35, 1.12; the AVX2+FMA build
+(``PLINTH_CPU_ISA=avx2,fma ONEDNN_MAX_CPU_ISA=AVX2``, fp32) 1.65, 1.96, 1.94,
+1.76, 1.44. Per shape (without ``--step``) the one loss is the 49152-row
+lm_head at 16 rows in bf16 (0.9x); at 32 rows and more bf16 runs at par with
+oneDNN (both about 190 GFLOP/s a thread here) and fp32 at 0.9x, so larger
+batches stay with oneDNN, whose kernels may also use instructions (AMX) that
+these do not. The scalar build (aarch64 and others) never takes it. Both
+copies are kept only while the streaming copies fit ``SMALL_COPY_SHARE`` of
+the memory available at the first weight; beyond it oneDNN runs every batch.
 ``PLINTH_CPU_SMALL_GEMM_ROWS`` overrides the row limit (0: off), for
 comparisons. torch is imported inside functions.
 """
@@ -44,8 +51,8 @@ LINEAR_FUNCTIONS = ["linear_pack", "linear_small", "linear_kernel_path"]
 #: the largest number of activation rows the streaming kernel takes, by its
 #: code path and the weight's dtype (beyond it, oneDNN): see the module doc
 SMALL_ROWS = {
-    "avx512-bf16 (vdpbf16ps)": {"bfloat16": 16, "float32": 8},
-    "avx512f (fp32 fma)": {"bfloat16": 16, "float32": 8},
+    "avx512-bf16 (vdpbf16ps)": {"bfloat16": 16, "float32": 16},
+    "avx512f (fp32 fma)": {"bfloat16": 16, "float32": 16},
     "avx2+fma (fp32 fma)": {"bfloat16": 16, "float32": 16},
     "scalar": {"bfloat16": 0, "float32": 0},  # portable code: oneDNN's JIT is faster
 }
