@@ -108,6 +108,9 @@ COST_SAMPLES = 16
 #: share of the decode steps' time that measuring may spend on proposals the
 #: plan would not keep
 EXPLORE_SHARE = 0.01
+#: a size with fewer samples is measured whatever the budget (once is not
+#: enough on a shared machine: one slow step would keep it off the plan)
+MIN_SAMPLES = 3
 #: per decode step, how much of the time and measuring counted so far is kept
 #: (a horizon of ~100 steps: a long friendly run builds up no credit that a
 #: hostile one could then spend at once)
@@ -149,12 +152,13 @@ class StepCostModel:
     counted over the last ~100 steps (EXPLORE_DECAY). The curve's estimate,
     not the step's measured time: on a shared machine the measured time
     carries others' work, and a few slow steps must not stop measuring for
-    long. That learns sizes above the curve, and
-    the acceptance of sequences the plan would not try: without it a
-    workload that turned friendly after a hostile phase would never be
-    tried again. So where speculation never pays, measuring costs at most
-    1% of the time. Steps that keep proposals measure their own size as
-    they go."""
+    long. A size with fewer than MIN_SAMPLES (3) samples is measured
+    whatever the budget (a constant over the engine's life). That learns
+    sizes above the curve, and the acceptance of sequences the plan would
+    not try: without it a workload that turned friendly after a hostile
+    phase would never be tried again. So where speculation never pays,
+    measuring costs about 1% of the time. Steps that keep proposals
+    measure their own size as they go."""
 
     def __init__(self, explore_share: float = EXPLORE_SHARE) -> None:
         self.samples: dict[int, deque] = {}  # tokens scored -> recent step seconds
@@ -212,7 +216,10 @@ class StepCostModel:
             rate = expected / self.estimate(num_seqs + kept)
             if rate > best_rate:
                 best, best_rate = kept, rate
-        if best < len(positions) and self.explored < self.explore_share * self.total:
+        if best < len(positions) and (
+            len(self.samples.get(num_seqs + best + 1, ())) < MIN_SAMPLES
+            or self.explored < self.explore_share * self.total
+        ):
             self.explored += self.estimate(num_seqs + best + 1) - self.estimate(num_seqs + best)
             best += 1  # measure (see the class docstring)
         keep = [0] * len(offers)
