@@ -25,6 +25,9 @@ def main() -> int:
     from plinth_plugin_cpukernels.quant import load_quant_kernels
 
     load_quant_kernels(isa)  # the GGUF kernels, built otherwise on the first GGUF model
+    from plinth_plugin_cpukernels.gemm import load_linear_kernels
+
+    load_linear_kernels(isa)  # the small-batch linear kernels, built otherwise on the first dense weight
     flags = " ".join(isa_cflags(isa)) or "a generic build"
     print(f"cpukernels: kernels ready for {','.join(isa) or 'no known extensions'} ({flags}; {time.perf_counter() - t:.1f} s)")
     return 0
