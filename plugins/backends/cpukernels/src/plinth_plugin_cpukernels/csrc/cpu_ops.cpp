@@ -213,11 +213,17 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, T* out, const int3
   const bool dot = std::is_same<T, uint16_t>::value && D % 32 == 0;
   bool lo_parts = false;  // a bf16 query times a power-of-two scale (D = 64) has none
   if (dot) {
-    for (int64_t i = 0; i < G * D; ++i) {
-      const uint16_t hi = f32_to_bf16(qf[i]), lo = f32_to_bf16(qf[i] - bf16_to_f32(hi));
-      qbf[2 * i - i % D] = hi;  // [g][hi: D][lo: D]
-      qbf[2 * i - i % D + D] = lo;
-      lo_parts |= (lo & 0x7FFF) != 0;
+    for (int64_t g = 0; g < G; ++g) {  // qbf: [g][hi: D][lo: D]
+      const float* x = qf + g * D;
+      uint16_t* hi = qbf + 2 * g * D;
+      uint16_t* lo = hi + D;
+      uint16_t any_lo = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        hi[d] = f32_to_bf16(x[d]);
+        lo[d] = f32_to_bf16(x[d] - bf16_to_f32(hi[d]));
+        any_lo |= lo[d] & 0x7FFF;
+      }
+      lo_parts |= any_lo != 0;
     }
   }
 #else
