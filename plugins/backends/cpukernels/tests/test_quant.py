@@ -107,7 +107,7 @@ def test_dequantize_is_exact(kernels, name):
     torch.testing.assert_close(k.gguf_dequantize(blocks, code, _k(name), 5, 20, True), dense[5:20].bfloat16(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("m", [1, 3, 5, 64])
+@pytest.mark.parametrize("m", [1, 3, 5, 11, 64])
 @pytest.mark.parametrize("name", list(GGUF_FORMATS))
 def test_integer_kernel(kernels, name, m):
     _, k = kernels
