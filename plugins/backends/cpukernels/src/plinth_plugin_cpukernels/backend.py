@@ -99,12 +99,13 @@ class CPUKernelsBackend(Backend):
             bf16_gemm = bf16_gemm_missing(isa) is None
             small = SmallGemm(isa)  # decode batches: the streaming kernel (gemm.py)
             dense_linear = make_linear(ref_linear, small)
-            # large batches on GGUF weights: a dequantized copy in the compute dtype, packed like any dense weight
+            # large batches on GGUF weights: a dequantized copy in the compute dtype, packed like any
+            # dense weight (the streaming copy too: 12-16 rows run 1.5x faster there than in oneDNN)
             dtype = self.ctx.dtype
             dense_dtype = dtype if str(dtype) in ("torch.float32", "torch.bfloat16") and (bf16_gemm or str(dtype) == "torch.float32") else None
 
             def dense_pack(w: Any) -> Any:
-                packed = pack_linear(w, bf16=bf16_gemm)
+                packed = pack_linear(w, bf16=bf16_gemm, small=small)
                 return packed if type(packed) is PackedLinear else None
 
             gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype)
