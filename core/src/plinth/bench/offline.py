@@ -28,7 +28,11 @@ from plinth.plugins import PluginRegistry
 
 def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:
     parser.add_argument("--model", default=None, help="model folder or .gguf (default: the bundled SmolLM2-135M)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype", default="auto",
+        help="compute dtype (default auto: the engine's choice for the device, float32 where bfloat16 matmuls are not native); "
+        "transformers gets the same",
+    )
     parser.add_argument("--dequantize", action="store_true", help="GGUF weights dequantized at load (default: kept in their blocks where the backend runs them)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backend", default="auto")
@@ -355,7 +359,7 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
         import tempfile
 
         workdir = tempfile.mkdtemp(prefix="plinth-bench-")
-        tmodel = load_transformers(model_path, args.dtype, workdir)
+        tmodel = load_transformers(model_path, dtype_name, workdir)  # the dtype the engine ran
         if "throughput" not in skip:
             print("transformers: continuous batching on the mixed workload...", file=sys.stderr)
             result["transformers_throughput"] = run_transformers_throughput(tmodel, work)
