@@ -67,7 +67,7 @@ def main() -> None:
                 lens = torch.full((b,), ctx, dtype=torch.int32)
                 q = torch.randn(b, hq, d, generator=g).to(dtype)
 
-                def call(k):
+                def call(k, kvs=kvs, q=q, tables=tables, lens=lens):  # this iteration's inputs
                     for kp, vp in kvs:
                         k.paged_decode_attention(q, kp, vp, tables, lens, d**-0.5, 0)
 

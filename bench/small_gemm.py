@@ -87,8 +87,8 @@ def main() -> None:
                     if label == "cold" and copies == 1:
                         continue
                     calls = max(cyc, min(200, int(2e8 // (nbytes + 1))))
-                    t_ours = timeit(lambda i: k.linear_small(x, ours[i % cyc], n, kdim, None), calls, args.repeat)
-                    t_dnn = timeit(lambda i: mk._linear_pointwise(x, dnn[i % cyc], None, "none", [], ""), calls, args.repeat)
+                    t_ours = timeit(lambda i, x=x, cyc=cyc, ours=ours, n=n, kdim=kdim: k.linear_small(x, ours[i % cyc], n, kdim, None), calls, args.repeat)
+                    t_dnn = timeit(lambda i, x=x, cyc=cyc, dnn=dnn: mk._linear_pointwise(x, dnn[i % cyc], None, "none", [], ""), calls, args.repeat)
                     flop = 2 * m * n * kdim
                     print(
                         f"| {dname} | {name} | {m} | {label} | {t_ours * 1e6:.0f} | {t_dnn * 1e6:.0f} | "
@@ -115,12 +115,12 @@ def steps(k, args) -> None:
         for m in [int(r) for r in args.rows.split(",")]:
             xs = {kdim: torch.randn(m, kdim).to(dtype) for _, kdim in shapes}
 
-            def run_ours():
+            def run_ours(xs=xs, shapes=shapes, ours=ours):  # this iteration's inputs
                 for (n, kdim), w in zip(shapes, ours):
                     k.linear_small(xs[kdim], w, n, kdim, None)
 
-            def run_dnn():
-                for (n, kdim), w in zip(shapes, dnn):
+            def run_dnn(xs=xs, shapes=shapes, dnn=dnn):
+                for (_n, kdim), w in zip(shapes, dnn):
                     mk._linear_pointwise(xs[kdim], w, None, "none", [], "")
 
             t_ours, t_dnn = [], []

@@ -2,12 +2,28 @@
 and a build is keyed by them: one made for another set is never loaded."""
 
 import platform
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
-from plinth_plugin_cpukernels.kernels import build_name, isa_cflags, load_kernels
+from plinth_plugin_cpukernels.kernels import (
+    TORCH_LOCK_FILE,
+    build_directory,
+    build_lock,
+    build_name,
+    isa_cflags,
+    load_kernels,
+)
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+#: a set every CPU of the machine's kind runs (built once, cached for the tests below)
+BASIC = ("sse4_2",) if X86 else ()
+LOAD_IN_A_NEW_PROCESS = [
+    sys.executable, "-c",
+    f"from plinth_plugin_cpukernels.kernels import load_kernels; load_kernels({BASIC!r}); print('loaded')",
+]
 
 
 def test_flags_follow_the_isa():
@@ -31,3 +47,31 @@ def test_a_build_without_avx_runs():
     k = load_kernels(("sse4_2",))
     x = torch.randn(3, 2 * 8)
     torch.testing.assert_close(k.silu_and_mul(x), torch.nn.functional.silu(x[:, :8]) * x[:, 8:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next_start():
+    """torch's lock file, as a build killed midway leaves it behind: the next
+    process removes it under the flock and loads, where it used to wait forever."""
+    load_kernels(BASIC)  # built, or already cached
+    lock = build_directory(build_name(BASIC)) / TORCH_LOCK_FILE
+    lock.touch()
+    proc = subprocess.run(LOAD_IN_A_NEW_PROCESS, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-2000:]
+    assert not lock.exists()
+
+
+def test_a_live_build_is_waited_for():
+    """While another process holds the build (here: this one), a start waits,
+    and goes on once it is released."""
+    load_kernels(BASIC)
+    build_dir = build_directory(build_name(BASIC))
+    with build_lock(build_dir):
+        proc = subprocess.Popen(LOAD_IN_A_NEW_PROCESS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(8)  # ample for the import and the load of a cached build
+            assert proc.poll() is None, "the start did not wait for the live build"
+        except BaseException:
+            proc.kill()
+            raise
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "loaded" in out, err[-2000:]

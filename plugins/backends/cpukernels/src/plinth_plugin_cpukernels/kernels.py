@@ -9,17 +9,24 @@ shared ``.venv``, a container image) is used only if it was built for the same
 extensions, and otherwise a new build is made, so it never executes an
 instruction this CPU lacks. A narrowed set (``PLINTH_CPU_ISA``) builds with
 the narrowed flags. About 30-40 s on 2 cores.
+
+Builds go in ``$TORCH_EXTENSIONS_DIR/plinth/<name>`` (torch's default root
+when unset), one process at a time under an ``flock`` that the kernel drops
+when its holder dies: torch's own lock is a file that a build killed midway
+(Ctrl-C, a timeout) leaves behind, and every later start would wait on it
+forever; holding the flock, such a file can only be stale, so it goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import platform
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from plinth.api import PluginError
 
@@ -38,6 +45,8 @@ X86_FLAGS = {
 ARM_EXTENSIONS = {"asimdhp": "fp16", "asimddp": "dotprod", "sve": "sve", "bf16": "bf16", "i8mm": "i8mm"}
 
 _kernels: dict[str, Any] = {}
+#: the file torch's builder creates (and removes) in the build directory while it builds
+TORCH_LOCK_FILE = "lock"
 
 
 def isa_cflags(isa: Iterable[str], machine: str | None = None) -> list[str]:
@@ -59,6 +68,34 @@ def build_name(isa: Iterable[str], source: Path = SOURCE, prefix: str = "plinth_
     flags = BASE_CFLAGS + isa_cflags(isa)
     key = "|".join([source.read_text(), " ".join(flags), platform.machine(), torch.__version__])
     return f"{prefix}_{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
+
+
+def build_directory(name: str) -> Path:
+    """Where the build called ``name`` lives (created)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    path = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "plinth" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Held while this process builds or loads ``build_dir``: another process
+    building it is waited for; a torch lock file left there by a dead build
+    is removed (every live builder holds this lock first)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's lock file alone
+        yield
+        return
+    with open(build_dir.parent / f"{build_dir.name}.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / TORCH_LOCK_FILE).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def compiler_missing() -> str | None:
@@ -85,15 +122,18 @@ def load_extension(source: Path, functions: list[str], isa: Iterable[str], *, pr
         from torch.utils.cpp_extension import load_inline
 
         flags = BASE_CFLAGS + isa_cflags(isa)
+        build_dir = build_directory(name)
         try:
-            _kernels[name] = load_inline(
-                name=name,
-                cpp_sources=[source.read_text()],
-                functions=functions,
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                verbose=verbose,
-            )
+            with build_lock(build_dir):
+                _kernels[name] = load_inline(
+                    name=name,
+                    cpp_sources=[source.read_text()],
+                    functions=functions,
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=verbose,
+                )
         except Exception as exc:  # a missing or failing compiler: say so, never fall back silently
             raise PluginError(
                 f"cpukernels could not build its kernels with {' '.join(flags)} "
