@@ -44,8 +44,13 @@ CANDIDATE_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
 #: "within a few % of the best": the cost per token counted as saturated
 SATURATION_TOLERANCE = 0.05
 #: longest step (seconds) a prefill chunk may make: every running stream's
-#: next token waits for it
-STEP_LATENCY_BOUND_S = 0.25
+#: next token waits for it. 0.25 s cost 20-30% of prefill throughput on
+#: 2-core CPUs (a 128-token prompt in two 64-token steps took 346 ms where one
+#: step took 277 on an AVX2-only EPYC, and lost its TTFT to vLLM's CPU build;
+#: four 128-token chunks of a 512-token prompt 590 ms against 452 for one on
+#: an AVX-512 one); half a second is what the unmeasured default's 512 tokens
+#: take on two cores
+STEP_LATENCY_BOUND_S = 0.5
 #: wall time the probes may take in all (seconds; warm-up forwards included)
 MEASURE_TIME_BUDGET_S = 2.0
 #: timed forwards per size (after one untimed warm-up); the fastest counts,
