@@ -51,8 +51,10 @@ SATURATION_TOLERANCE = 0.05
 #: an AVX-512 one); half a second is what the unmeasured default's 512 tokens
 #: take on two cores
 STEP_LATENCY_BOUND_S = 0.5
-#: wall time the probes may take in all (seconds; warm-up forwards included)
-MEASURE_TIME_BUDGET_S = 2.0
+#: wall time the probes may take in all (seconds; warm-up forwards included):
+#: enough to reach a size over the latency bound on a 2-core AVX2 CPU (2 s
+#: stopped before 128 tokens there, and the choice moved between starts)
+MEASURE_TIME_BUDGET_S = 4.0
 #: timed forwards per size (after one untimed warm-up); the fastest counts,
 #: as the one least disturbed by other work on the machine
 REPEATS = 2
