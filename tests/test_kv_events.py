@@ -14,9 +14,8 @@ import pytest
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
-from server_fixtures import BigramRunner, ByteTokenizer  # noqa: E402
-
 from plinth.engine.kv_events import build_recorder, offset_endpoint_port  # noqa: E402
+from server_fixtures import BigramRunner, ByteTokenizer  # noqa: E402
 
 
 def subscriber_types(array_like: bool):
