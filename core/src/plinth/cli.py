@@ -341,6 +341,10 @@ register_subcommand("serve", "plinth.cli_engine", "serve", "serve the OpenAI- an
 register_subcommand(
     "proxy", "plinth.server.proxy", "proxy", "prefill/decode disaggregation: a proxy in front of --role prefill and --role decode servers"
 )
+register_subcommand(
+    "router", "plinth.server.router", "router",
+    "one OpenAI/Anthropic front over N replicas, routed by prefix-cache affinity (their KV events), KV-cache use and queue depth",
+)  # fmt: skip
 register_subcommand("bench", "plinth.cli_engine", "bench", "benchmarks: `bench offline` (engine), `bench serve` (HTTP), `bench a2a` (MoE all-to-all)")
 
 
