@@ -73,9 +73,15 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
 
     app = FastAPI(title="plinth proxy", docs_url=None, redoc_url=None)
 
+    def ensure_polling() -> None:
+        """The instances' health pollers, started on the first request or at start-up."""
+        if "pollers" not in state:
+            loop = asyncio.get_running_loop()
+            state["pollers"] = [loop.create_task(s.run(client())) for s in (pre, dec)]
+
     @app.on_event("startup")
     async def _start() -> None:
-        state["pollers"] = [asyncio.create_task(s.run(client())) for s in (pre, dec)]
+        ensure_polling()
 
     @app.on_event("shutdown")
     async def _close() -> None:
@@ -111,6 +117,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
         return None
 
     async def generate(request: Request) -> Response:
+        ensure_polling()
         path = request.url.path
         try:
             body = await request.json()

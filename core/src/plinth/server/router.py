@@ -29,7 +29,6 @@ scoring, its prefix index cleared, and polled until it is healthy again
 scoring off (for comparison). /health and /metrics are the router's own.
 """
 
-from __future__ import annotations
 
 import argparse
 import asyncio
@@ -277,11 +276,17 @@ def build_router_app(
     app.state.replicas = replicas
     app.state.indexes = indexes
 
+    for url, ep in zip(urls, events or []):
+        subscribers.append(EventSubscriber(ep, indexes[url.rstrip("/")]))
+
+    def ensure_polling() -> None:
+        """The health/metrics poller, started on the first request or at start-up, whichever comes first."""
+        if "poller" not in state:
+            state["poller"] = asyncio.get_running_loop().create_task(replicas.run(client()))
+
     @app.on_event("startup")
     async def _start() -> None:
-        for url, ep in zip(urls, events or []):
-            subscribers.append(EventSubscriber(ep, indexes[url.rstrip("/")]))
-        state["poller"] = asyncio.create_task(replicas.run(client()))
+        ensure_polling()
 
     @app.on_event("shutdown")
     async def _close() -> None:
@@ -328,6 +333,7 @@ def build_router_app(
         return [first] + [r for r in replicas.up() if r is not first]
 
     async def generate(request: Request) -> Response:
+        ensure_polling()
         path = request.url.path
         try:
             body = await request.json()
@@ -394,6 +400,7 @@ def build_router_app(
     @app.get("/health")
     async def health() -> Response:
         """ok when every replica is healthy, degraded (200) while one is, unavailable (503) when none is."""
+        ensure_polling()
         n = sum(r.healthy for r in replicas.replicas)
         status = "ok" if n == len(replicas.replicas) else "degraded" if n else "unavailable"
         doc = {"status": status, "policy": policy, "replicas": replicas.stats(),
