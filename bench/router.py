@@ -53,7 +53,7 @@ def start(args: list[str], log: str, env: dict[str, str], cpus: str | None) -> t
         cmd = ["taskset", "-c", cpus, *cmd]
     p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 300
+    end = time.monotonic() + 900
     while time.monotonic() < end:
         if p.poll() is not None:
             raise RuntimeError(f"{args[0]} exited: {open(log).read()[-3000:]}")

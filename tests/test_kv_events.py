@@ -201,3 +201,56 @@ def test_bad_kv_events_config_is_a_config_error():
         EngineConfig(kv_events_config={"enable_kv_cache_events": True, "endpoit": "tcp://*:1"})
     with pytest.raises(ConfigError, match="publisher"):
         EngineConfig(kv_events_config={"enable_kv_cache_events": True, "publisher": "kafka"})
+
+
+def test_local_connector_tiers_report_their_medium(tmp_path):
+    """The local connector's CPU and disk tiers publish BlockStored (a location
+    update: no tokens) and BlockRemoved with vLLM's medium names."""
+    pytest.importorskip("plinth_plugin_kv_local")
+    import torch
+    from plinth.engine.kv_events import KVEventRecorder
+    from plinth.engine.kv_transfer import KVTransfer
+    from plinth.hookspecs import SelectionContext
+    from plinth.testing.kv_connector import kv_test_layout
+    from plinth_plugin_kv_local.connector import LocalConnector
+
+    class Capture:
+        dp_rank = 0
+
+        def __init__(self):
+            self.batches = []
+
+        def publish(self, batch):
+            self.batches.append(batch)
+
+        def close(self):
+            pass
+
+    layout = kv_test_layout(page_bytes=64)
+    vb = layout.value_bytes
+    conn = LocalConnector(
+        SelectionContext(), config={"cpu_bytes": 3 * vb, "disk_dir": str(tmp_path / "kv"), "disk_bytes": 2 * vb + 1}, layout=layout
+    )
+    transfer = KVTransfer(
+        conn, layout,
+        read_pages=lambda pages: torch.arange(len(pages) * 64, dtype=torch.uint8).reshape(len(pages), 64),
+        write_pages=lambda pages, data: None,
+    )  # fmt: skip
+    pub = Capture()
+    rec = KVEventRecorder(pub, block_size=layout.page_size)
+    transfer.attach_events(rec)
+    try:
+        transfer.pages_computed([(i, 1000 + i) for i in range(4)])
+        transfer.end_step()
+        for f in transfer._pending_saves:
+            f.result(30)
+        rec.flush()
+    finally:
+        transfer.close()
+    events = [e for b in pub.batches for e in b.events]
+    stored = {(e.medium, h) for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes}
+    removed = {(e.medium, h) for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes}
+    assert {("CPU", 1000 + i) for i in range(4)} <= stored and {("STORAGE", 1000 + i) for i in range(4)} <= stored
+    assert all(e.token_ids == [] and e.parent_block_hash is None for e in events if type(e).__name__ == "BlockStored")
+    assert ("CPU", 1000) in removed  # three values fit in memory: the first is evicted
+    assert {h for m, h in removed if m == "STORAGE"} == {1000, 1001}  # two fit on disk

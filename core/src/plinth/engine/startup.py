@@ -243,6 +243,8 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
         kv.connector = build_kv_transfer(
             registry, connector_name, connector_opts, ctx, runner, model_id=f"{_hash_seed(source, model_cfg):016x}"
         )
+        if kv.pool.events is not None:  # the store's tiers report with their medium
+            kv.connector.attach_events(kv.pool.events)
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
     components = Components(
         config=config,
