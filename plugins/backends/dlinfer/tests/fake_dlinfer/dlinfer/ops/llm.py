@@ -5,7 +5,7 @@ on the function (dlinfer/graph/custom_op.py:60 and :111-145); here they are
 written in the signatures. Each op forwards to the vendor's implementation
 with the arguments upstream forwards (some are dropped on the way, as there).
 """
-from typing import Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -39,12 +39,12 @@ __all__ = [
 
 
 # llm.py:41-62
-def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> Tuple[Tensor, Tensor]:
+def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     return vendor_ops_registry["add_rms_norm"](hidden_states, residual, weight, epsilon)
 
 
 # llm.py:65-94
-def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Optional[Tensor], sin: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor | None, sin: Tensor | None) -> tuple[Tensor, Tensor]:
     return vendor_ops_registry["apply_rotary_pos_emb"](query, key, cos, sin)
 
 
@@ -61,10 +61,10 @@ def prefill_attention(
     max_q_seq_len: int,
     num_q_heads: int,
     num_kv_heads: int,
-    attn_mask: Sequence[Optional[Tensor]],
-    softmax_scale: Optional[float] = None,
-    alibi_slopes: Optional[Sequence[float]] = None,
-    attn_output: Optional[Tensor] = None,
+    attn_mask: Sequence[Tensor | None],
+    softmax_scale: float | None = None,
+    alibi_slopes: Sequence[float] | None = None,
+    attn_output: Tensor | None = None,
 ) -> Tensor:
     return vendor_ops_registry["prefill_attention"](
         query, key, value, q_start_loc, q_seq_len, max_q_seq_len, num_q_heads, num_kv_heads,
@@ -73,7 +73,7 @@ def prefill_attention(
 
 
 # llm.py:163-199
-def incre_flash_attention(query: Tensor, key: Tensor, value: Tensor, num_heads: int, input_layout: str, softmax_scale: Optional[float] = None) -> Tensor:
+def incre_flash_attention(query: Tensor, key: Tensor, value: Tensor, num_heads: int, input_layout: str, softmax_scale: float | None = None) -> Tensor:
     return vendor_ops_registry["incre_flash_attention"](query, key, value, num_heads, input_layout, softmax_scale)
 
 
@@ -84,10 +84,10 @@ def fill_kv_cache(
     key_cache: Tensor,
     value_cache: Tensor,
     kv_indices: Tensor,
-    k_scales_zeros: Sequence[Optional[Tensor]] = tuple(),
-    v_scales_zeros: Sequence[Optional[Tensor]] = tuple(),
+    k_scales_zeros: Sequence[Tensor | None] = tuple(),
+    v_scales_zeros: Sequence[Tensor | None] = tuple(),
     quant_bits: int = 0,
-) -> Tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     return vendor_ops_registry["fill_kv_cache"](key, value, key_cache, value_cache, kv_indices, k_scales_zeros, v_scales_zeros, quant_bits)
 
 
@@ -103,13 +103,13 @@ def paged_decode_attention(
     max_kv_seq_len: int,
     num_q_heads: int,
     num_kv_heads: int,
-    head_size_v: Optional[int] = 0,
-    softmax_scale: Optional[float] = None,
-    alibi_slopes: Optional[Sequence[float]] = None,
-    attn_output: Optional[Tensor] = None,
-    kv_scales: Optional[Tensor] = None,
-    kv_zeros: Optional[Tensor] = None,
-    quant_bits: Optional[int] = 0,
+    head_size_v: int | None = 0,
+    softmax_scale: float | None = None,
+    alibi_slopes: Sequence[float] | None = None,
+    attn_output: Tensor | None = None,
+    kv_scales: Tensor | None = None,
+    kv_zeros: Tensor | None = None,
+    quant_bits: int | None = 0,
 ) -> Tensor:
     return vendor_ops_registry["paged_decode_attention"](
         query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, max_kv_seq_len,
@@ -134,11 +134,11 @@ def paged_prefill_attention(
     max_kv_seq_len: int,
     num_q_heads: int,
     num_kv_heads: int,
-    attn_mask: Sequence[Optional[Tensor]],
-    head_size_v: Optional[int] = 0,
-    softmax_scale: Optional[float] = None,
-    alibi_slopes: Optional[Sequence[float]] = None,
-    attn_output: Optional[Tensor] = None,
+    attn_mask: Sequence[Tensor | None],
+    head_size_v: int | None = 0,
+    softmax_scale: float | None = None,
+    alibi_slopes: Sequence[float] | None = None,
+    attn_output: Tensor | None = None,
     kv_scales: Tensor = None,
     kv_zeros: Tensor = None,
     quant_bits: int = 0,
@@ -161,17 +161,17 @@ def silu_and_mul(input_tensor: Tensor, dim: int = -1) -> Tensor:
 
 
 # llm.py:496-518
-def moe_gating_topk_softmax(router_logits: Tensor, topk: int, moe_metadata: MoeMetadata) -> Tuple[Tensor, Tensor]:
+def moe_gating_topk_softmax(router_logits: Tensor, topk: int, moe_metadata: MoeMetadata) -> tuple[Tensor, Tensor]:
     return vendor_ops_registry["moe_gating_topk_softmax"](router_logits, topk, moe_metadata)
 
 
 # llm.py:523-543
-def fused_attention(query_states: Tensor, key_states: Tensor, value_states: Tensor, mask: Sequence[Optional[Tensor]]) -> Tensor:
+def fused_attention(query_states: Tensor, key_states: Tensor, value_states: Tensor, mask: Sequence[Tensor | None]) -> Tensor:
     return vendor_ops_registry["fused_attention"](query_states, key_states, value_states, mask)
 
 
 # llm.py:546-566
-def fill_contiguous_kvcache(key_cache: Tensor, value_cache: Tensor, key_state: Tensor, value_state: Tensor) -> Tuple[Tensor, Tensor]:
+def fill_contiguous_kvcache(key_cache: Tensor, value_cache: Tensor, key_state: Tensor, value_state: Tensor) -> tuple[Tensor, Tensor]:
     return vendor_ops_registry["fill_contiguous_kvcache"](key_cache, value_cache, key_state, value_state)
 
 
@@ -185,10 +185,10 @@ def weight_quant_matmul(
     x1: Tensor,
     x2: Tensor,
     scale: Tensor,
-    offset: Optional[Tensor] = None,
-    bias: Optional[Tensor] = None,
-    all_reduce: Optional[bool] = bool,
-    group_size: Optional[int] = 0,
+    offset: Tensor | None = None,
+    bias: Tensor | None = None,
+    all_reduce: bool | None = bool,
+    group_size: int | None = 0,
 ) -> Tensor:
     return vendor_ops_registry["weight_quant_matmul"](x1, x2, scale, offset, bias, all_reduce, group_size)
 
@@ -213,7 +213,7 @@ def fused_moe(
 
 
 # llm.py:681-705 (default_value at :684)
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, all_reduce: Optional[bool] = False, group: Optional[str] = "") -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, all_reduce: bool | None = False, group: str | None = "") -> Tensor:
     return vendor_ops_registry["linear"](x, weight, bias, all_reduce, group)
 
 
@@ -228,12 +228,12 @@ def linear_w8a8(a: Tensor, b: Tensor, rms_scale, linear_scale, out_dtype: torch.
 
 
 # llm.py:801-827
-def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float, quant_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float, quant_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return vendor_ops_registry["rms_norm_w8a8"](hidden_states, weight, epsilon, quant_dtype)
 
 
 # llm.py:844-874
-def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float, quant_dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float, quant_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     return vendor_ops_registry["add_rms_norm_w8a8"](hidden_states, residual, weight, epsilon, quant_dtype)
 
 

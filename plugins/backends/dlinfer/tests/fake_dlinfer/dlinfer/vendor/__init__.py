@@ -13,7 +13,7 @@ vendor_is_initialized = False
 vendor_name_file = Path(__file__).parent / "vendor.yaml"
 
 
-with open(str(vendor_name_file), "r") as f:
+with open(str(vendor_name_file)) as f:
     config = yaml.safe_load(f)
     vendor_name = config["vendor"]
     dispatch_key = config["dispatch_key"]

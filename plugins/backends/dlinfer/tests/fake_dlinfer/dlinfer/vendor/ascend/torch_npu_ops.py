@@ -3,7 +3,7 @@
 replaced by the torch stand-ins of ``kernels``. Line numbers are upstream's
 (DeepLink-org/dlinfer a50184e3)."""
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ for _name in ("rms_norm_w8a8", "add_rms_norm_w8a8", "dynamic_quant", "linear_w8a
 
 
 @register_ops(vendor_ops_registry)
-def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> Tuple[Tensor, Tensor]:
+def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     # :107-117, npu_add_rms_norm -> (normed, rstd, x + residual)
     added = hidden_states + residual
     return _rms(added, weight, epsilon), added
@@ -43,7 +43,7 @@ def _rms(x, weight, eps):
 
 
 @register_ops(vendor_ops_registry)
-def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Optional[Tensor], sin: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor | None, sin: Tensor | None) -> tuple[Tensor, Tensor]:
     # :120-167
     query = query.contiguous().unsqueeze(0)
     key = key.contiguous().unsqueeze(0)
@@ -73,10 +73,10 @@ def prefill_attention(
     max_q_seq_len: int,
     num_q_heads: int,
     num_kv_heads: int,
-    attn_mask: Sequence[Optional[Tensor]],
-    softmax_scale: Optional[float],
-    alibi_slopes: Optional[Sequence[float]],
-    attn_output: Optional[Tensor],
+    attn_mask: Sequence[Tensor | None],
+    softmax_scale: float | None,
+    alibi_slopes: Sequence[float] | None,
+    attn_output: Tensor | None,
 ) -> Tensor:
     # :170-241
     if alibi_slopes is not None:
@@ -107,10 +107,10 @@ def fill_kv_cache(
     key_cache: Tensor,
     value_cache: Tensor,
     kv_indices: Tensor,
-    k_scales_zeros: Sequence[Optional[Tensor]],
-    v_scales_zeros: Sequence[Optional[Tensor]],
+    k_scales_zeros: Sequence[Tensor | None],
+    v_scales_zeros: Sequence[Tensor | None],
     quant_bits: int,
-) -> Tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     # :311-351
     key = key.contiguous()
     value = value.contiguous()
@@ -132,7 +132,7 @@ def fill_kv_cache(
 
 
 @register_ops(vendor_ops_registry)
-def fill_contiguous_kvcache(key_cache: Tensor, value_cache: Tensor, key_state: Tensor, value_state: Tensor) -> Tuple[Tensor, Tensor]:
+def fill_contiguous_kvcache(key_cache: Tensor, value_cache: Tensor, key_state: Tensor, value_state: Tensor) -> tuple[Tensor, Tensor]:
     # :354-360
     return torch.cat([key_cache, key_state], dim=1), torch.cat([value_cache, value_state], dim=1)
 
@@ -147,19 +147,19 @@ def paged_decode_attention(
     query: Tensor,
     key_cache: Tensor,
     value_cache: Tensor,
-    block_table: Optional[Tensor],
+    block_table: Tensor | None,
     block_size: int,
     q_seq_len: Tensor,
     kv_seq_len: Tensor,
     max_kv_seq_len: int,
     num_q_heads: int,
     num_kv_heads: int,
-    softmax_scale: Optional[float],
-    alibi_slopes: Optional[Sequence[float]],
-    attn_output: Optional[Tensor],
-    kv_scales: Optional[Tensor],
-    kv_zeros: Optional[Tensor],
-    quant_bits: Optional[int],
+    softmax_scale: float | None,
+    alibi_slopes: Sequence[float] | None,
+    attn_output: Tensor | None,
+    kv_scales: Tensor | None,
+    kv_zeros: Tensor | None,
+    quant_bits: int | None,
 ) -> Tensor:
     # :368-424, then attention.py:11-85 (decode_attention, eager branch)
     if alibi_slopes is not None:
@@ -199,13 +199,13 @@ def paged_prefill_attention(
     max_kv_seq_len: int,
     num_q_heads: int,
     num_kv_heads: int,
-    attn_mask: Sequence[Optional[Tensor]],
-    softmax_scale: Optional[float],
-    alibi_slopes: Optional[Sequence[float]],
-    attn_output: Optional[Tensor],
-    kv_scales: Optional[Tensor],
-    kv_zeros: Optional[Tensor],
-    quant_bits: Optional[int],
+    attn_mask: Sequence[Tensor | None],
+    softmax_scale: float | None,
+    alibi_slopes: Sequence[float] | None,
+    attn_output: Tensor | None,
+    kv_scales: Tensor | None,
+    kv_zeros: Tensor | None,
+    quant_bits: int | None,
 ) -> Tensor:
     # :427-479
     if alibi_slopes is not None:
@@ -236,7 +236,7 @@ def silu_and_mul(input_tensor: Tensor, dim: int) -> Tensor:
 
 
 @register_ops(vendor_ops_registry)
-def moe_gating_topk_softmax(router_logits: Tensor, topk: int, moe_metadata: MoeMetadata) -> Tuple[Tensor, Tensor]:
+def moe_gating_topk_softmax(router_logits: Tensor, topk: int, moe_metadata: MoeMetadata) -> tuple[Tensor, Tensor]:
     # :497-531, the ep_size 1, router_n_groups -1 path: npu_moe_gating_top_k_softmax
     assert moe_metadata.ep_size == 1 and moe_metadata.router_n_groups <= 0, "the fake models one rank, no groups"
     weights, ids = torch.topk(router_logits.float().softmax(-1), topk, dim=-1)
@@ -272,7 +272,7 @@ def fused_moe(
 
 
 @register_ops(vendor_ops_registry)
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], all_reduce: Optional[bool], group: Optional[str]) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, all_reduce: bool | None, group: str | None) -> Tensor:
     # :712-743
     if all_reduce:
         raise NotImplementedError("the fake dlinfer does not model npu_mm_all_reduce_base (HCCL)")
