@@ -55,11 +55,11 @@ def subscriber_types(array_like: bool):
 
 
 def make_engine(num_pages, page_size, events_cfg):
+    from plinth.api import ModelConfig
     from plinth.engine.block_manager import BlockPool
     from plinth.engine.engine import LLMEngine
     from plinth.engine.kv_cache_manager import KVCacheManager
     from plinth.engine.scheduler import Scheduler
-    from plinth.hookspecs import ModelConfig
     from server_fixtures import BOS, EOS, FAKE_LOGITS
 
     cfg = ModelConfig(
@@ -208,9 +208,9 @@ def test_local_connector_tiers_report_their_medium(tmp_path):
     update: no tokens) and BlockRemoved with vLLM's medium names."""
     pytest.importorskip("plinth_plugin_kv_local")
     import torch
+    from plinth.api import SelectionContext
     from plinth.engine.kv_events import KVEventRecorder
     from plinth.engine.kv_transfer import KVTransfer
-    from plinth.hookspecs import SelectionContext
     from plinth.testing.kv_connector import kv_test_layout
     from plinth_plugin_kv_local.connector import LocalConnector
 
