@@ -156,6 +156,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--policies", default="prefix,round-robin,least-loaded")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
+    ap.add_argument("--backend", default=None, help="the replicas' --backend (default: auto)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -168,7 +169,8 @@ def main() -> int:
         for i in range(a.replicas):
             ep = f"ipc://{tmp}/kv{i}"
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ep}
-            args = ["serve", *([a.model] if a.model else []), "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+            args = ["serve", *([a.model] if a.model else []), *(["--backend", a.backend] if a.backend else []),
+                    "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
                     "--kv-events-config", json.dumps(cfg)]  # fmt: skip
             cpus = f"{i * a.threads}-{(i + 1) * a.threads - 1}" if pin else None
             p, url = start(args, f"{tmp}/replica{i}.log", env, cpus)
