@@ -91,11 +91,11 @@ def text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-async def one_turn(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> tuple[float, int, str]:
+async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[float, int, str]:
     t0 = time.perf_counter()
     ttft = None
     out, n = [], 0
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -126,11 +126,12 @@ async def workload(url: str, a: argparse.Namespace, salt: int) -> dict:
         msgs = [{"role": "system", "content": systems[u % a.systems]}]
         for _ in range(a.turns):
             msgs.append({"role": "user", "content": text(r, a.question_words) + "?"})
-            ttft, n, answer = await one_turn(client, url, msgs, a.max_tokens)
+            ttft, n, answer = await one_turn(client, url, model, msgs, a.max_tokens)
             ttfts.append(ttft)
             tokens += n
             msgs.append({"role": "assistant", "content": answer})
 
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(user(u, client) for u in range(a.users)))
