@@ -35,7 +35,7 @@ def _meta(seqs: list[tuple[int, int]], tables: list[list[int]], page_size: int, 
     """AttentionMetadata for sequences given as (cached length, new tokens)."""
     import torch
 
-    from plinth.hookspecs import AttentionMetadata
+    from plinth.api import AttentionMetadata
 
     positions, slots, qsl = [], [], [0]
     for (cached, n), pages in zip(seqs, tables):
@@ -169,8 +169,8 @@ def check_backend(
     takes a window (one that does not refuses such models in ``check``)."""
     import torch
 
+    from plinth.api import SelectionContext
     from plinth.engine.startup import resolve_ops
-    from plinth.hookspecs import SelectionContext
 
     report = Report(f"backend {name}")
     registry = discover_all()
