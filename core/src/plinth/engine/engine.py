@@ -67,6 +67,10 @@ class LLMEngine:
 
         return build_engine(config, registry)
 
+    def close(self) -> None:
+        """Stop what the engine started besides the model (the KV-event publisher)."""
+        self.kv.close()
+
     # ---- requests ------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
