@@ -49,7 +49,7 @@ import torch
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.outputs import TokenLogprobs
-from plinth.engine.sampler import SampleRow, _logprob_entries, draw, filtered_probs, process_logits
+from plinth.engine.sampler import SampleRow, draw, filtered_probs, logprob_entries, process_logits
 from plinth.engine.scheduler import ScheduledBatch
 from plinth.hookspecs import ProposeItem
 
@@ -402,7 +402,7 @@ class SpecDecoder:
             a = 0
             while a < n_rows:
                 if a == k:  # every proposal passed: the bonus token, drawn from p
-                    out.append(int(draw(probs[a : a + 1], rows, [a])[0]))
+                    out.append(int(draw(probs[a : a + 1], [g])[0]))
                     break
                 x = spec[a]
                 u = float(torch.rand(1, generator=g)) if g is not None else float(torch.rand(1))
@@ -414,13 +414,13 @@ class SpecDecoder:
                     continue
                 residual = probs[a : a + 1].clone()
                 residual[0, x] = 0.0  # normalize(max(0, p - q)) for a point mass q at x
-                out.append(int(draw(residual, rows, [a])[0]))
+                out.append(int(draw(residual, [g])[0]))
                 break
         accepted = min(a, k)
         lps: list[TokenLogprobs | None] = [None] * len(out)
         if params.logprobs is not None and out:
             raw = torch.log_softmax(logits[: len(out)], dim=-1)
-            lps = list(_logprob_entries(raw, torch.tensor(out, dtype=torch.long), params.logprobs))
+            lps = list(logprob_entries(raw, torch.tensor(out, dtype=torch.long), [params.logprobs] * len(out)))
         self._count(seq, accepted, k)
         return Verified(out, lps, accepted, k)
 
