@@ -157,12 +157,12 @@ def _reference_probs(logits, p):
     return probs
 
 
-@pytest.mark.parametrize("candidates", [4, 1024])
-def test_batched_filters_equal_the_per_row_definitions(monkeypatch, candidates):
-    # sharp and flat rows: with 4 candidates most top-p cuts need the full sort
+@pytest.mark.parametrize("bins", [1, 7, 2048, 100_000])
+def test_batched_filters_equal_the_per_row_definitions(monkeypatch, bins):
+    # sharp and flat rows; with 1 bin top-p sorts nearly the whole row
     from plinth.engine import sampler as mod
 
-    monkeypatch.setattr(mod, "TOP_P_CANDIDATES", candidates)
+    monkeypatch.setattr(mod, "TOP_P_BINS", bins)
     torch.manual_seed(4)
     logits = torch.randn(6, 3000) * torch.tensor([[0.3], [1.0], [3.0], [6.0], [1.0], [2.0]])
     params = [
