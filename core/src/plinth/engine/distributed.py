@@ -39,10 +39,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from plinth.api import AttentionMetadata, LoadContext, SelectionContext
 from plinth.engine.config import EngineConfig
 from plinth.engine.parallel import ParallelGroups, ParallelLayout, init_groups
 from plinth.errors import ConfigError, PlinthError
-from plinth.hookspecs import AttentionMetadata, LoadContext, SelectionContext
 
 log = logging.getLogger("plinth.distributed")
 

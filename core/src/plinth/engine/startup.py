@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from plinth.api import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, SelectionContext
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.config import EngineConfig
 from plinth.engine.engine import LLMEngine
@@ -25,7 +26,6 @@ from plinth.engine.model_source import locate_model
 from plinth.engine.scheduler import Scheduler
 from plinth.engine.step_plan import plan_step
 from plinth.errors import ConfigError, PluginError
-from plinth.hookspecs import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, SelectionContext
 from plinth.plugins import PluginEntry, PluginRegistry
 
 log = logging.getLogger("plinth.startup")
@@ -308,8 +308,8 @@ def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: Sele
     ``ProposerContext`` (a named plugin fails with every candidate's reasons)."""
     import dataclasses
 
+    from plinth.api import ProposerContext
     from plinth.engine.speculative import SpecDecoder, StepCostModel
-    from plinth.hookspecs import ProposerContext
 
     k = config.num_speculative_tokens or 4
     pctx = ProposerContext(
