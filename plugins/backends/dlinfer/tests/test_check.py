@@ -128,3 +128,4 @@ def test_platform_plugins_lists_it_with_its_reasons():
     assert "plinth-plugin-dlinfer" in row and "unavailable" in row
     if importlib.util.find_spec("dlinfer") is None:
         assert "dlinfer is not installed" in row
+    assert "the chosen device is cpu" in row  # judged on the accelerator auto takes here
