@@ -158,6 +158,7 @@ def main() -> int:
     ap.add_argument("--policies", default="prefix,round-robin,least-loaded")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
     ap.add_argument("--backend", default=None, help="the replicas' --backend (default: auto)")
+    ap.add_argument("--num-pages", type=int, default=None, help="the replicas' --num-pages: a KV pool too small to hold every conversation everywhere")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -171,6 +172,7 @@ def main() -> int:
             ep = f"ipc://{tmp}/kv{i}"
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ep}
             args = ["serve", *([a.model] if a.model else []), *(["--backend", a.backend] if a.backend else []),
+                    *(["--num-pages", str(a.num_pages)] if a.num_pages else []),
                     "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
                     "--kv-events-config", json.dumps(cfg)]  # fmt: skip
             cpus = f"{i * a.threads}-{(i + 1) * a.threads - 1}" if pin else None
