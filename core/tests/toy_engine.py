@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from plinth.engine.block_manager import BlockPool
+from plinth.api import FullAttentionSpec
 from plinth.engine.engine import LLMEngine
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
@@ -82,6 +82,9 @@ class ToyModel(torch.nn.Module):
         self._positions = positions
         return torch.stack([s.view(-1), positions.to(torch.float64)], dim=1)
 
+    def kv_cache_specs(self):
+        return [FullAttentionSpec(num_kv_heads=1, head_dim=1)]
+
     def compute_logits(self, hidden):
         nxt = ((31 * hidden[:, 0].round().long() + hidden[:, 1].long()) % VOCAB).long()
         logits = torch.full((hidden.shape[0], VOCAB), -10.0)
@@ -112,9 +115,10 @@ def toy_engine(
         head_dim=1, max_model_len=max_model_len, eos_token_ids=(EOS,),
     )
     runner = ModelRunner(
-        ToyModel(), TOY_OPS, cfg, device=torch.device("cpu"), dtype=torch.float64, num_pages=num_pages, page_size=page_size
+        ToyModel(), TOY_OPS, cfg, device=torch.device("cpu"), dtype=torch.float64, num_pages=num_pages, page_size=page_size,
+        enable_caching=caching,
     )
-    kv = KVCacheManager(BlockPool(num_pages, page_size, enable_caching=caching), copy_pages=runner.copy_pages)
+    kv = KVCacheManager(runner.kv_groups, copy_pages=runner.copy_pages)
     if connector is not None:
         from plinth.engine.kv_transfer import HEADER_BYTES, KVTransfer
         from plinth.hookspecs import KVLayout

@@ -2,6 +2,7 @@
 ``plinth.hookspecs``), never from core internals; anything not listed here may
 change without notice."""
 
+from plinth.contract.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import (
     BASE_OPS,
@@ -92,6 +93,8 @@ __all__ = [
     "DispatchedTokens",
     "DraftRunner",
     "GGUFFile",
+    "FullAttentionSpec",
+    "KVCacheSpec",
     "KVConnector",
     "KVConnectorDescriptor",
     "KVLayout",
@@ -111,6 +114,7 @@ __all__ = [
     "ReasoningParser",
     "ReasoningParserDescriptor",
     "SelectionContext",
+    "SlidingWindowSpec",
     "ToolCallItem",
     "ToolParse",
     "ToolParser",
