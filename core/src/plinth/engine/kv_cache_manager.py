@@ -337,8 +337,7 @@ class KVCacheManager:
             tables.append(pages)
         if partial:
             self.copy_pages(src_pages, dst_pages)  # type: ignore[misc]
-        self._tables[child.seq_id] = tables
-        child.page_hashes = list(parent.page_hashes)
+        self._tables[child.seq_id] = tables  # its page hashes come when it commits (same tokens, same hashes)
         child.num_computed = parent.num_computed
         return True
 
