@@ -1,0 +1,68 @@
+"""A model with two KV-cache groups through the llama plugin, against
+transformers in float32: a tiny Qwen3 whose even layers attend to a
+12-token sliding window and odd layers to everything. The sliding group's
+pages are freed as decoding moves past the window, and greedy tokens stay
+those of transformers, with prefix caching and preemption."""
+
+import pytest
+import torch
+from plinth import LLM, SamplingParams
+from plinth.api import FullAttentionSpec, SlidingWindowSpec
+from tiny_models import reference_greedy, tiny_model_dir
+
+ARCH = "qwen3-hybrid"
+WINDOW = 12
+NEW_TOKENS = 40  # every prompt decodes past the window
+
+
+def _prompts(seed=0, lens=(3, 17, 30, 45)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+
+
+def _greedy(n=NEW_TOKENS):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_root):
+    return tiny_model_dir(ARCH, tiny_root)
+
+
+@pytest.mark.parametrize("page_size", [16, 7])
+def test_two_groups_greedy_tokens_match_transformers(hybrid, page_size):
+    llm = LLM(hybrid, dtype="float32", backend="torch", load_progress=False, page_size=page_size, num_pages=256)
+    kv = llm.engine.kv
+    assert [g.spec for g in kv.groups] == [SlidingWindowSpec(2, 24, window=WINDOW), FullAttentionSpec(2, 24)]
+    assert [g.layers for g in kv.groups] == [(0, 2), (1, 3)]
+    prompts = _prompts()
+    outs = llm.generate(prompts, _greedy())
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference_greedy(hybrid, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+    assert llm.engine.pages_held() == 0
+
+
+def test_sliding_pages_are_freed_and_outputs_hold_under_prefix_caching_and_preemption(hybrid):
+    ps = 4
+    # a full pool of 48 pages (192 tokens) for 4 sequences of up to ~90 tokens: preemption
+    llm = LLM(hybrid, dtype="float32", backend="torch", load_progress=False, page_size=ps, num_pages=48, max_num_seqs=4)
+    engine = llm.engine
+    shared = _prompts(1, (24,))[0]
+    prompts = [shared + p for p in _prompts(2, (3, 9, 20, 30))]
+    want = [reference_greedy(hybrid, p, NEW_TOKENS) for p in prompts]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, _greedy())
+    held, done = [], {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        held.append(engine.kv.group_pages_held())
+    assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == want
+    assert engine.scheduler.num_preemptions > 0
+    assert any(done[str(i)].num_cached_tokens > 0 for i in range(1, len(prompts)))  # the shared prefix was reused
+    sliding, full = zip(*held)
+    # the window group holds at most the window's pages (plus the one being
+    # filled and this step's tokens) per running sequence; the full group grows
+    assert max(full) > 2 * max(sliding), (max(full), max(sliding))
+    assert engine.pages_held() == 0
