@@ -33,8 +33,8 @@ def hybrid(tiny_root):
 def test_two_groups_greedy_tokens_match_transformers(hybrid, page_size):
     llm = LLM(hybrid, dtype="float32", backend="torch", load_progress=False, page_size=page_size, num_pages=256)
     kv = llm.engine.kv
-    assert [g.spec for g in kv.groups] == [SlidingWindowSpec(2, 24, window=WINDOW), FullAttentionSpec(2, 24)]
-    assert [g.layers for g in kv.groups] == [(0, 2), (1, 3)]
+    assert [g.spec for g in kv.groups] == [FullAttentionSpec(2, 24), SlidingWindowSpec(2, 24, window=WINDOW)]
+    assert [g.layers for g in kv.groups] == [(1, 3), (0, 2)]
     prompts = _prompts()
     outs = llm.generate(prompts, _greedy())
     for prompt, out in zip(prompts, outs):
@@ -61,7 +61,7 @@ def test_sliding_pages_are_freed_and_outputs_hold_under_prefix_caching_and_preem
     assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == want
     assert engine.scheduler.num_preemptions > 0
     assert any(done[str(i)].num_cached_tokens > 0 for i in range(1, len(prompts)))  # the shared prefix was reused
-    sliding, full = zip(*held)
+    full, sliding = zip(*held)
     # the window group holds at most the window's pages (plus the one being
     # filled and this step's tokens) per running sequence; the full group grows
     assert max(full) > 2 * max(sliding), (max(full), max(sliding))

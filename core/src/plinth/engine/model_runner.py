@@ -9,7 +9,7 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
-from plinth.engine.kv_cache_manager import KVCacheGroup, make_group
+from plinth.engine.kv_cache_manager import KVCacheGroup, forgets, make_group
 from plinth.engine.scheduler import ScheduledBatch
 from plinth.errors import ConfigError
 from plinth.hookspecs import AttentionMetadata, ModelConfig
@@ -27,12 +27,14 @@ def kv_cache_specs(model: Any) -> list["KVCacheSpec | None"]:
 
 
 def spec_groups(specs: Seq["KVCacheSpec | None"]) -> list[tuple["KVCacheSpec", tuple[int, ...]]]:
-    """Layers with equal specs, in order of first appearance (layers with none are left out)."""
+    """Layers with equal specs (layers with none are left out): groups that
+    keep every token first (the first is the one the pool statistics
+    report), then those that forget, each in order of first appearance."""
     groups: dict[Any, list[int]] = {}
     for i, spec in enumerate(specs):
         if spec is not None:
             groups.setdefault(spec, []).append(i)
-    return [(spec, tuple(layers)) for spec, layers in groups.items()]
+    return sorted(((spec, tuple(layers)) for spec, layers in groups.items()), key=lambda g: forgets(g[0]))
 
 
 class ModelRunner:
