@@ -167,3 +167,19 @@ def test_a_second_engine_loads_both_groups_through_a_connector():
     assert out.num_external_cached_tokens == 40
     assert out.outputs[0].token_ids == reference(prompt + [7, 8], 6, eos=False, window=WINDOW)
     assert b.pages_held() == 0
+
+
+def test_rollback_keeps_pages_unless_the_window_already_let_them_go():
+    ps = 4
+    groups = [
+        make_group(FullAttentionSpec(1, 1), (0,), 32, ps, enable_caching=False),
+        make_group(SlidingWindowSpec(1, 1, window=6), (1,), 32, ps, enable_caching=False),
+    ]
+    kv = KVCacheManager(groups)
+    seq = _seq(range(1, 31))
+    assert kv.allocate_slots(seq, 30)
+    kv.commit(seq, 30)  # the next query reads from token 25 (page 6): pages 0..5 went back
+    assert kv.rollback(seq, 29) == 29 and seq.num_computed == 29  # reads from 24: page 6, still held
+    assert kv.num_pages_of(seq) == 8
+    assert kv.rollback(seq, 27) == 0 and seq.num_computed == 0  # reads from 22: page 5 is gone, start over
+    assert kv.num_pages_of(seq) == 0 and kv.pages_held() == 0

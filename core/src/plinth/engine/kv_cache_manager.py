@@ -301,19 +301,29 @@ class KVCacheManager:
         if self.connector is not None:
             self.connector.forget(seq)
 
-    def rollback(self, seq: "Seq", num_tokens: int) -> None:
+    def rollback(self, seq: "Seq", num_tokens: int) -> int:
         """``seq`` keeps the K/V of its first ``num_tokens`` tokens only and
         the pages they use: speculative rollback, when trailing pages held
-        only rejected proposals' K/V. Those pages lie past what was
-        committed, so they were never registered: nothing rejected is cached."""
+        only rejected proposals' K/V (in the target those pages lie past what
+        was committed, so they were never registered: nothing rejected is
+        cached). Returns the tokens kept: 0, with every page released, when a
+        window group already gave back a page the kept tokens' next query
+        reads (a draft model rolling back its own committed proposals)."""
         assert num_tokens <= seq.num_computed, "rollback past what was computed"
-        seq.num_computed = num_tokens
         tables = self._tables.get(seq.seq_id)
+        if tables and any(
+            g.forgets and g.null_page in table[g.first_needed(num_tokens) // self.page_size :]
+            for g, table in zip(self.groups, tables)
+        ):
+            self.free(seq)
+            return 0
+        seq.num_computed = num_tokens
         keep = -(-num_tokens // self.page_size)
         if tables and len(tables[0]) > keep:
             for g, table in zip(self.groups, tables):
                 g.pool.release([p for p in table[keep:] if p != g.null_page])
                 del table[keep:]
+        return num_tokens
 
     def fork(self, parent: "Seq", child: "Seq") -> bool:
         """``child`` continues from ``parent``'s computed tokens: it shares the

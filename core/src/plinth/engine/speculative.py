@@ -500,7 +500,7 @@ class DraftModelRunner:
             keep = min(ds.num_computed, len(tokens) - 1)  # at least the last token runs, for its logits
             if ds.token_ids[:keep] != tokens[:keep]:
                 keep = next(i for i, (x, y) in enumerate(zip(ds.token_ids, tokens)) if x != y)
-            self.kv.rollback(ds, keep)  # rejected proposals' K/V: their trailing pages go back
+            keep = self.kv.rollback(ds, keep)  # rejected proposals' K/V: their trailing pages go back
             ds.token_ids = tokens
             n = len(tokens) - keep
             if not self.kv.allocate_slots(ds, n):
