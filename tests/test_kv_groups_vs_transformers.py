@@ -66,3 +66,24 @@ def test_sliding_pages_are_freed_and_outputs_hold_under_prefix_caching_and_preem
     # filled and this step's tokens) per running sequence; the full group grows
     assert max(full) > 2 * max(sliding), (max(full), max(sliding))
     assert engine.pages_held() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", ["hybrid-target", "hybrid-draft"])
+def test_speculative_rollback_per_group_keeps_greedy_tokens(hybrid, tiny_root, pair):
+    """A draft model proposes for a target (one of them the two-group model):
+    rejected proposals roll back in every group of the target, and the draft
+    rolls back its own committed proposals (starting over where its window
+    already gave their pages back); greedy tokens stay transformers'."""
+    from test_speculative import make_llm
+
+    llama = tiny_model_dir("llama", tiny_root)
+    target, draft = (hybrid, llama) if pair == "hybrid-target" else (llama, hybrid)
+    llm = make_llm(target, page_size=4, num_pages=256, speculative_method="draft", speculative_model=draft, num_speculative_tokens=3)
+    prompts = _prompts(3, (5, 20))
+    outs = llm.generate(prompts, _greedy())
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference_greedy(target, prompt, NEW_TOKENS)
+    s = llm.engine.stats()
+    assert s["spec_rejected_tokens"] > 0 and s["spec_accepted_tokens"] >= 0
+    assert llm.engine.pages_held() == 0

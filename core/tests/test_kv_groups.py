@@ -183,3 +183,30 @@ def test_rollback_keeps_pages_unless_the_window_already_let_them_go():
     assert kv.num_pages_of(seq) == 8
     assert kv.rollback(seq, 27) == 0 and seq.num_computed == 0  # reads from 22: page 5 is gone, start over
     assert kv.num_pages_of(seq) == 0 and kv.pages_held() == 0
+
+
+class _DescribedModel:
+    """Only what pool sizing reads of a model."""
+
+    def kv_cache_specs(self):
+        full, window = FullAttentionSpec(2, 8), SlidingWindowSpec(2, 8, window=16)
+        return [full, window, None, full, window]  # the middle layer caches nothing
+
+    def weight_bytes(self):
+        return 0
+
+
+def test_pool_sizes_come_from_the_specs():
+    from plinth.engine.config import EngineConfig
+    from plinth.engine.startup import kv_pool_pages
+
+    cfg = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=64)
+    plan = kv_pool_pages(EngineConfig(kv_cache_memory=1 / 1024, **cfg), None, _DescribedModel(), torch.float32, max_model_len=4096)
+    # a page: 16 tokens x 2 heads x (8 + 8) x 4 bytes = 2048 bytes a layer, two layers a group
+    assert plan.page_bytes == [4096, 4096]
+    # the window group: 4 sequences x (its 16-token window + the page being filled) + a 64-token step
+    assert plan.pages[1] == 4 * 2 + 4
+    assert plan.pages[0] == (1 << 20) // 4096 - 12  # the rest of the 1 MiB budget
+    assert plan.total_bytes <= 1 << 20
+    explicit = kv_pool_pages(EngineConfig(num_pages=100, **cfg), None, _DescribedModel(), torch.float32, max_model_len=4096)
+    assert explicit.pages == [100, 12] and explicit.budget is None
