@@ -259,10 +259,13 @@ class KVCacheManager:
         fresh = [g.pool.allocate(n) for g in self.groups]
         self.connector.write_pages(list(zip(*fresh)), payloads[:n])  # per page of seq: its page in each group
         hashes = seq.page_hashes[first : first + n]
-        for g, pages, table in zip(self.groups, fresh, tables):
-            for p, h in zip(pages, hashes):
-                g.pool.register(p, h)
+        new: list[int] = []
+        for gi, (g, pages, table) in enumerate(zip(self.groups, fresh, tables)):
+            for j, (p, h) in enumerate(zip(pages, hashes), first):
+                if g.pool.register(p, h) and gi == 0:
+                    new.append(j)
             table.extend(pages)
+        self._report_stored(seq, new)
         self.connector.remember(hashes)
         return n
 
@@ -365,12 +368,14 @@ class KVCacheManager:
         if after > before and self.enable_caching:
             hashes = self._hash(seq, after * ps)
             tables = self._tables[seq.seq_id]
+            new: list[int] = []
             for j in range(before, after):
                 pages = [t[j] for t in tables]
-                for g, p in zip(self.groups, pages):
-                    if p != g.null_page:
-                        g.pool.register(p, hashes[j])
+                for gi, (g, p) in enumerate(zip(self.groups, pages)):
+                    if p != g.null_page and g.pool.register(p, hashes[j]) and gi == 0:
+                        new.append(j)
                 done.append((pages, hashes[j]))
+            self._report_stored(seq, new)
             if self.connector is not None:
                 self.connector.pages_computed(done)
         self._forget_behind(seq)
@@ -390,10 +395,41 @@ class KVCacheManager:
                 g.pool.release(gone)
                 table[:stop] = [g.null_page] * stop  # type: ignore[list-item]
 
+    def _report_stored(self, seq: "Seq", indices: list[int]) -> None:
+        """KV events for ``seq``'s pages ``indices`` (ascending) that entered
+        the prefix cache: one ``BlockStored`` per run of consecutive pages,
+        its parent the page before the run (None for the first page). The
+        events follow the first group's pool (one that keeps every token):
+        a router asks which prefixes an instance holds, by the one hash chain
+        every group shares."""
+        events = self.pool.events
+        if events is None or not indices:
+            return
+        ps = self.page_size
+        runs: list[list[int]] = []
+        for j in indices:
+            if runs and runs[-1][-1] == j - 1:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        for run in runs:
+            first, last = run[0], run[-1]
+            parent = seq.page_hashes[first - 1] if first else None
+            events.stored(seq.page_hashes[first : last + 1], parent, seq.token_ids[first * ps : (last + 1) * ps])
+
     def end_step(self) -> None:
-        """After a step's forward: hand the pages that became full to the connector."""
+        """After a step's forward: hand the pages that became full to the
+        connector, publish the step's KV events."""
         if self.connector is not None:
             self.connector.end_step()
+        if self.pool.events is not None:
+            self.pool.events.flush()
+
+    def close(self) -> None:
+        """Stop the KV-event publisher (the engine is shutting down)."""
+        if self.pool.events is not None:
+            self.pool.events.close()
+            self.pool.events = None
 
     def reset_prefix_cache(self) -> None:
         for g in self.groups:

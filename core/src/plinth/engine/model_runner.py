@@ -9,10 +9,10 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
+from plinth.api import AttentionMetadata, ModelConfig
 from plinth.engine.kv_cache_manager import KVCacheGroup, forgets, make_group
 from plinth.engine.scheduler import ScheduledBatch
 from plinth.errors import ConfigError
-from plinth.hookspecs import AttentionMetadata, ModelConfig
 
 if TYPE_CHECKING:
     from plinth.api import KVCacheSpec
