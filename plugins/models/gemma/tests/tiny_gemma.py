@@ -18,7 +18,7 @@ CONFIGS = {
     # query_pre_attn_scalar 24 (not head_dim), linear rope scaling on the
     # global layers, tied head
     "gemma3": dict(
-        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
