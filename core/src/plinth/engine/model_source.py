@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from plinth.api import ModelSource
 from plinth.errors import ConfigError
-from plinth.hookspecs import ModelSource
 
 #: The default model: SmolLM2-135M-Instruct as GGUF, shipped inside a PyPI
 #: wheel so that a fresh machine gets it from the package registry alone.
