@@ -144,6 +144,10 @@ class GemmaLoader(ModelLoader):
             raw=cfg,
         )
 
+    def required_ops(self, config: ModelConfig) -> tuple[str, ...]:
+        # GeGLU is computed in torch (gelu-tanh), not through silu_and_mul
+        return ("rms_norm", "pack_linear", "linear", "rotary", "allocate_kv_cache", "prepare_attention", "attention", "copy_pages")
+
     def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> Gemma3ForCausalLM:
         if ctx.tp_size > 1 or ctx.ep_size > 1:
             raise ConfigError("the gemma plugin runs at tp = ep = 1")
