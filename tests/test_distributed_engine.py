@@ -65,7 +65,7 @@ def run_parallel(path: str, **kw):
         assert llm.engine.pages_held() == 0
         return out, time.monotonic() - t0
     finally:
-        llm.shutdown()
+        llm.close()
         procs = [p for _, p in llm.engine.procs]
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # stopped, not killed
 
@@ -221,6 +221,6 @@ def test_a_stopped_worker_fails_the_engine_within_the_timeout(root):
             llm.generate([prompts()[0]], SamplingParams(max_tokens=2))
     finally:
         timer.cancel()
-        llm.shutdown()
+        llm.close()
     proc.join(5)
     assert proc.exitcode is not None, "the stopped worker was left behind"

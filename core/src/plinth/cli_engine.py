@@ -69,7 +69,7 @@ def serve(args: argparse.Namespace, registry: PluginRegistry) -> int:
     kwargs = plugin_kwargs(args)
     if kwargs.get("node_rank"):  # a node other than 0 runs its worker ranks only (rank 0's node serves)
         from plinth.engine.config import EngineConfig
-        from plinth.engine.distributed import run_node
+        from plinth.engine.worker import run_node
 
         options = {k: v for k, v in kwargs["plugin_options"].items() if k not in SERVER_OPTIONS}
         return run_node(EngineConfig(**{**kwargs, "plugin_options": options}))
