@@ -66,7 +66,7 @@ def run_parallel(path: str, **kw):
         return out, time.monotonic() - t0
     finally:
         llm.close()
-        procs = [p for _, p in llm.engine.procs]
+        procs = llm.engine.procs
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # stopped, not killed
 
 
@@ -144,7 +144,7 @@ def test_serve_tp2_ep2_then_a_dead_worker_fails_loudly(root):
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.3)
-        workers = [pid for pid, cmd in _children(proc.pid).items() if "spawn_main" in cmd]
+        workers = [pid for pid, cmd in _children(proc.pid).items() if "plinth.engine.worker" in cmd]
         assert len(workers) == 1, _children(proc.pid)
 
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
@@ -209,7 +209,7 @@ def test_a_stopped_worker_fails_the_engine_within_the_timeout(root):
     from plinth.engine.distributed import DeadRankError
 
     llm = LLM(moe(root), tp=2, dist_timeout=3.0, **KW)
-    (rank, proc), = llm.engine.procs
+    (proc,) = llm.engine.procs
     timer = threading.Timer(1.0, os.kill, (proc.pid, signal.SIGSTOP))
     t0 = time.monotonic()
     try:
