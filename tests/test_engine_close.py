@@ -9,9 +9,8 @@ import threading
 import time
 
 import pytest
-from tiny_models import tiny_model_dir
-
 from plinth import LLM, SamplingParams
+from tiny_models import tiny_model_dir
 
 pytest.importorskip("plinth_plugin_kv_local")
 
