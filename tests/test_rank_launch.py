@@ -11,9 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from tiny_models import tiny_model_dir
-
 from plinth import LLM, SamplingParams
+from tiny_models import tiny_model_dir
 
 KW = dict(device="cpu", backend="torch", dtype="float32", num_pages=64, load_progress=False, max_num_batched_tokens=256)
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
