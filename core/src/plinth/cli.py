@@ -175,7 +175,7 @@ def _unsupported_ops(registry: PluginRegistry, row: dict[str, Any], ctx: Any) ->
 def _backend_context(registry: PluginRegistry, name: str) -> Any:
     """The context backends are judged in by `platform plugins`: the
     accelerator ``--device`` takes (its instruction sets, its default dtype)."""
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import SelectionContext
 
     try:
         accelerator = registry.get("accelerator", name).load()()
@@ -197,7 +197,7 @@ def resolve_choices(
     ``PluginError`` (with every candidate's reasons) when a choice fails.
     Returns category -> ``PluginEntry`` (or a string for a deferred ``auto``).
     """
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import SelectionContext
 
     ctx = SelectionContext(options=dict(options or {}))
     accel = registry.select("accelerator", choices.get("accelerator") or "auto", ctx)
@@ -309,7 +309,7 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
 
 
 def _api_version() -> str:
-    from plinth.hookspecs import PLUGIN_API_VERSION
+    from plinth.api import PLUGIN_API_VERSION
 
     return PLUGIN_API_VERSION
 

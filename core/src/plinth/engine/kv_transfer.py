@@ -1,6 +1,6 @@
 """The engine side of a KV connector: every store call off the step loop.
 
-The connector plugin (``plinth.hookspecs.KVConnector``) makes plain blocking
+The connector plugin (``plinth.api.KVConnector``) makes plain blocking
 calls. This module runs them on its own threads and never lets the step loop
 wait on them:
 
@@ -39,8 +39,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from plinth.api import KVConnector, KVLayout
 from plinth.errors import ConfigError, PlinthError
-from plinth.hookspecs import KVConnector, KVLayout
 
 log = logging.getLogger("plinth.kv_connector")
 

@@ -46,12 +46,12 @@ from typing import Sequence as Seq
 
 import torch
 
+from plinth.api import ProposeItem
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.outputs import TokenLogprobs
 from plinth.engine.sampler import SampleRow, _logprob_entries, draw, filtered_probs, process_logits
 from plinth.engine.scheduler import ScheduledBatch
-from plinth.hookspecs import ProposeItem
 
 log = logging.getLogger("plinth.speculative")
 

@@ -265,7 +265,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
-        from plinth.hookspecs import PLUGIN_API_VERSION
+        from plinth.api import PLUGIN_API_VERSION
 
         try:
             described = json.loads(json.dumps(engine.describe(), default=str))

@@ -131,7 +131,7 @@ def check_parsers(registry: PluginRegistry, tool_call_parser: str | None, reason
     """A parser named with --tool-call-parser / --reasoning-parser must load, or
     start-up fails here with every candidate's reasons, before the model loads
     (``auto`` needs the model's chat template: it is resolved when the app is built)."""
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import SelectionContext
 
     for category, name in (("tool_parser", tool_call_parser), ("reasoning_parser", reasoning_parser)):
         if name and name not in ("auto", "none"):

@@ -41,8 +41,8 @@ def test_the_data_path_taken(master, zero_copy):
     staging buffers (batch_put_from / batch_get_into), each area unregistered
     after its call; otherwise through bytes. Same bytes back either way."""
     import torch
+    from plinth.api import SelectionContext
     from plinth.engine.kv_transfer import HEADER_BYTES
-    from plinth.hookspecs import SelectionContext
     from plinth.testing.kv_connector import kv_test_layout
     from plinth_plugin_mooncake.connector import MooncakeConnector
 
