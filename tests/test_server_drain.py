@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_fixtures import wait_until_healthy
 from tiny_models import tiny_model_dir
 
 pytest.importorskip("plinth_plugin_kv_local")
@@ -48,16 +49,7 @@ def test_sigterm_drains_streams_in_flight_then_exits_0(tiny_root, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.3)
+        wait_until_healthy(proc, url, timeout=120)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         name = client.models.list().data[0].id
         results: dict[str, tuple[int, str | None]] = {}

@@ -603,8 +603,11 @@ class DistributedEngine(EngineCore):
                 self._lock.release()
         stop_workers(self.procs, kill=self.failure is not None, timeout=max(1.0, bound - time.monotonic()))
         self._watchdog.join(max(0.0, bound - time.monotonic()))
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:  # its threads are idle unless a step hangs: joined up to the bound
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for t in threading.enumerate():
+                if t.name.startswith("plinth-dp_"):
+                    t.join(max(0.0, bound - time.monotonic()))
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -1,5 +1,10 @@
 """Start-up: choose the plugins once, load the model, size the KV pool.
 
+``start_process`` is the one path of one process and of every rank (a rank
+passes its ``JoinWorld``, ``distributed.RankJoin``, for what differs: the
+process group, shared cores, the pool every rank agrees on).
+``factory.build_engine`` builds an engine from what it returns.
+
 Everything resolved here becomes plain objects (an accelerator instance, an
 op table of callables, a model module); the engine's steps never consult the
 plugin registry again.
