@@ -46,10 +46,12 @@ from plinth.api import AttentionMetadata
 from plinth.engine.config import EngineConfig
 from plinth.engine.engine import LLMEngine
 from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore
-from plinth.engine.model_runner import ModelRunner
+from plinth.engine.kv_cache_manager import KVCacheManager, make_group
+from plinth.engine.kv_events import build_recorder
+from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.parallel import ParallelGroups, ParallelLayout, init_groups
 from plinth.engine.scheduler import Scheduler
-from plinth.engine.startup import Started, make_kv, start_process
+from plinth.engine.startup import Started, hash_seed, start_process
 from plinth.engine.step_plan import plan_step
 from plinth.errors import ConfigError, PlinthError
 from plinth.plugins import PluginRegistry
@@ -270,7 +272,7 @@ class RankForward:
     def __init__(self, config: EngineConfig, started: Started) -> None:
         self.runner = ModelRunner(
             started.model, started.ops, started.model_cfg, device=started.device, dtype=started.dtype,
-            num_pages=started.num_pages + 1, page_size=config.page_size, tp=config.tp,
+            num_pages=started.num_pages + 1, page_size=config.page_size,
         )  # fmt: skip
         self.scratch = started.num_pages
 
@@ -316,7 +318,8 @@ class _GroupRunner:
         return self.front.arrive(self.dp_rank, (ids, meta, list(logit_rows)))
 
     def copy_pages(self, src: Any, dst: Any) -> None:
-        self.copies.extend(zip(map(int, src), map(int, dst)))  # applied on every rank of the group before its next forward
+        """src[0], dst[0]: the pages of the one KV-cache group ranks support."""
+        self.copies.extend(zip(map(int, src[0]), map(int, dst[0])))  # applied on every rank of the group before its next forward
 
 
 class DistributedEngine(EngineCore):
@@ -340,12 +343,12 @@ class DistributedEngine(EngineCore):
             LLMEngine(
                 runner=gr, tokenizer=started.tokenizer, model_config=started.model_cfg,
                 scheduler=Scheduler(
-                    make_kv(config, started, gr.copy_pages), max_num_seqs=config.max_num_seqs,
+                    group_kv(config, started, gr, d), max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=step_plan.max_num_batched_tokens,
                 ),
                 max_model_len=started.max_model_len, components=self.components,
             )
-            for gr in self.runners
+            for d, gr in enumerate(self.runners)
         ]  # fmt: skip
         self.failure: DeadRankError | None = None
         self.owner: dict[str, int] = {}
@@ -614,6 +617,18 @@ class DistributedEngine(EngineCore):
         except Exception as exc:  # noqa: BLE001
             log.debug("destroy_process_group: %s", exc)
         atexit.unregister(self.close)
+
+
+def group_kv(config: EngineConfig, started: Started, runner: _GroupRunner, dp_rank: int) -> KVCacheManager:
+    """Dp group d's KV-cache manager: its own pages, the pool every rank agreed on."""
+    kv = KVCacheManager(
+        [make_group(spec, layers, started.num_pages, config.page_size, enable_caching=config.enable_prefix_caching)
+         for spec, layers in spec_groups(kv_cache_specs(started.model))],
+        hash_seed=hash_seed(started.source, started.model_cfg),
+        copy_pages=runner.copy_pages,
+    )  # fmt: skip
+    kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size, dp_rank=dp_rank)
+    return kv
 
 
 def build_distributed_engine(config: EngineConfig, registry: PluginRegistry) -> DistributedEngine:

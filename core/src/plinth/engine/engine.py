@@ -90,7 +90,7 @@ class LLMEngine(EngineCore):
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        capacity = self.kv.num_pages * self.kv.page_size
+        capacity = self.kv.token_capacity
         if n + 1 > capacity:
             raise RequestError(
                 f"the prompt has {n} tokens but the KV cache holds {capacity}", param="prompt", code="context_length_exceeded"
@@ -269,10 +269,9 @@ class LLMEngine(EngineCore):
             seq.spec_tokens = seq.spec_tokens[: max(0, n - seq.remaining)] if n else []
 
     def _verify(self, batch: ScheduledBatch, spec_at: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> list[Any]:
+        verified = self.spec.verify([(seq, first) for seq, _, first in spec_at], logits, self._sample_row)
         out = []
-        for seq, i, first in spec_at:
-            n = batch.num_tokens[i]
-            v = self.spec.verify(seq, logits[first : first + n], self._sample_row)
+        for (seq, i, first), v in zip(spec_at, verified):
             seq.spec_tokens = []
             if self.spec.wants_hidden:  # the row behind the token the target added itself
                 self.spec.hidden[seq.seq_id] = self.runner.last_hidden[first + v.accepted]
@@ -294,11 +293,10 @@ class LLMEngine(EngineCore):
                 return
             if j < v.accepted:
                 self._advance_computed(seq)
-        self.kv.truncate(seq, seq.num_computed)
+        self.kv.rollback(seq, seq.num_computed)
 
     def _advance_computed(self, seq: Sequence) -> None:
-        self.kv.cache_computed(seq, seq.num_computed + 1)
-        seq.num_computed += 1
+        self.kv.commit(seq, 1)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The n sequences of a request whose prompt is now computed: the first
@@ -310,7 +308,6 @@ class LLMEngine(EngineCore):
         for i in range(1, req.params.n):
             seed = None if req.params.seed is None else req.params.seed + i
             child = Sequence(req, i, list(parent.token_ids), generator=make_generator(seed))
-            child.page_hashes = list(parent.page_hashes)
             child.grammar = parent.grammar.fork() if parent.grammar is not None else None
             if self.kv.fork(parent, child):
                 self.scheduler.add_running(child)
@@ -420,7 +417,8 @@ class LLMEngine(EngineCore):
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Take no new request, end the running ones (``abort``), write what
         they computed to the KV connector and wait for its saves (at most
-        ``timeout``; the rest are cancelled), stop its threads."""
+        ``timeout``; the rest are cancelled), stop its threads and the
+        KV-event publisher."""
         if self.closed:
             return
         self.closed = True
@@ -428,6 +426,7 @@ class LLMEngine(EngineCore):
             self.abort_request(rid)
         if self.kv.connector is not None:
             self.kv.connector.close(timeout)
+        self.kv.close()
 
     @property
     def pool(self) -> Any:

@@ -10,10 +10,12 @@ from typing import Any
 from plinth.engine.config import EngineConfig
 from plinth.engine.engine import LLMEngine
 from plinth.engine.interfaces import EngineCore
+from plinth.engine.kv_cache_manager import KVCacheManager
+from plinth.engine.kv_events import build_recorder
 from plinth.engine.kv_transfer import build_kv_transfer, connector_options
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.scheduler import Scheduler
-from plinth.engine.startup import build_spec_decoder, check_a2a, hash_seed, make_kv, start_process
+from plinth.engine.startup import build_spec_decoder, check_a2a, hash_seed, start_process
 from plinth.engine.step_plan import plan_step
 from plinth.plugins import PluginRegistry
 
@@ -39,19 +41,21 @@ def build_local_engine(config: EngineConfig, registry: PluginRegistry) -> LLMEng
     started = start_process(config, registry)
     runner = ModelRunner(
         started.model, started.ops, started.model_cfg, device=started.device, dtype=started.dtype,
-        num_pages=started.num_pages, page_size=config.page_size, tp=config.tp,
+        num_pages=started.plan.pages, page_size=config.page_size, enable_caching=config.enable_prefix_caching,
     )  # fmt: skip
+    model_id = hash_seed(started.source, started.model_cfg)
+    kv = KVCacheManager(runner.kv_groups, hash_seed=model_id, copy_pages=runner.copy_pages)
     # the step's token budget: given, or timed on this model here (before a
     # KV connector is attached: the probes' pages are never saved anywhere)
-    kv = make_kv(config, started, runner.copy_pages)
     step_plan = plan_step(config, runner=runner, kv=kv, max_model_len=started.max_model_len)
     log.info("%s", step_plan.log_line())
+    # after the probes: their pages are no one's prefix
+    kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size)
     connector_name, connector_opts = connector_options(config.kv_connector, config.kv_connector_config)
     if connector_name:
-        kv.connector = build_kv_transfer(
-            registry, connector_name, connector_opts, started.ctx, runner,
-            model_id=f"{hash_seed(started.source, started.model_cfg):016x}",
-        )  # fmt: skip
+        kv.connector = build_kv_transfer(registry, connector_name, connector_opts, started.ctx, runner, model_id=f"{model_id:016x}")
+        if kv.pool.events is not None:  # the store's tiers report with their medium
+            kv.connector.attach_events(kv.pool.events)
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
     spec: Any = None
     if config.speculative_method:
