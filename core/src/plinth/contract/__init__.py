@@ -66,6 +66,7 @@ from plinth.contract.base import (
     SelectionContext,
     descriptor_fields,
 )
+from plinth.contract.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from plinth.contract.kv_connector import KVConnector, KVConnectorDescriptor, KVLayout
 from plinth.contract.model import CausalLM, LoadContext, ModelConfig, ModelDescriptor, ModelLoader, ModelSource
 from plinth.contract.parsers import (
@@ -132,6 +133,9 @@ __all__ = [
     "KVConnector",
     "KVConnectorDescriptor",
     "KVLayout",
+    "FullAttentionSpec",
+    "KVCacheSpec",
+    "SlidingWindowSpec",
     "LinearOp",
     "LoadContext",
     "ModelConfig",
