@@ -5,11 +5,12 @@ expert, yarn rope with mscale), saved as safetensors, and their references."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import torch
 
-VOCAB = 256
+VOCAB = 320
 PROMPT_LENS = [3, 17, 40, 64, 101]
 VARIANTS = ["q_lora", "no_q_lora"]
 
@@ -39,7 +40,7 @@ def saved_model(name: str, root: str) -> str:
     torch.manual_seed(sum(map(ord, name)))
     model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32)
     with torch.no_grad():  # larger than the default init: logits far from flat, no greedy near-ties
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
             else:
@@ -48,7 +49,24 @@ def saved_model(name: str, root: str) -> str:
             if n.endswith("e_score_correction_bias"):  # a bias that changes which experts win
                 b.copy_(torch.randn_like(b) * 0.1)
     model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
     return path
+
+
+def write_tokenizer(path: str) -> None:
+    """A byte-level BPE over all 256 bytes plus DeepSeek's specials, so the
+    engine loads the folder like any checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)
 
 
 def prompts() -> list[list[int]]:
