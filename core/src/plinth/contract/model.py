@@ -22,11 +22,16 @@ class ModelDescriptor(PluginDescriptor):
 
     architectures:      Hugging Face names from config.json (``LlamaForCausalLM``).
     gguf_architectures: values of the GGUF key ``general.architecture``.
+    named_models:       (name, ``module:function``) pairs: a model given by
+                        that name (``platform serve gemma3-270m``) is the
+                        local path the function returns (imported only then).
+    Two plugins claiming one architecture: the higher ``priority`` builds it.
     """
 
     category: ClassVar[str] = "model"
     architectures: tuple[str, ...] = ()
     gguf_architectures: tuple[str, ...] = ()
+    named_models: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass

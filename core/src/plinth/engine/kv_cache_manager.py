@@ -259,10 +259,10 @@ class KVCacheManager:
         fresh = [g.pool.allocate(n) for g in self.groups]
         self.connector.write_pages(list(zip(*fresh)), payloads[:n])  # per page of seq: its page in each group
         hashes = seq.page_hashes[first : first + n]
-        new = []
-        for i, (g, pages, table) in enumerate(zip(self.groups, fresh, tables)):
+        new: list[int] = []
+        for gi, (g, pages, table) in enumerate(zip(self.groups, fresh, tables)):
             for j, (p, h) in enumerate(zip(pages, hashes), first):
-                if g.pool.register(p, h) and i == 0:
+                if g.pool.register(p, h) and gi == 0:
                     new.append(j)
             table.extend(pages)
         self._report_stored(seq, new)
@@ -365,14 +365,14 @@ class KVCacheManager:
         seq.num_computed += num_new_tokens
         after = seq.num_computed // ps
         done: list[tuple[list[int], int]] = []
-        new: list[int] = []
         if after > before and self.enable_caching:
             hashes = self._hash(seq, after * ps)
             tables = self._tables[seq.seq_id]
+            new: list[int] = []
             for j in range(before, after):
                 pages = [t[j] for t in tables]
-                for i, (g, p) in enumerate(zip(self.groups, pages)):
-                    if p != g.null_page and g.pool.register(p, hashes[j]) and i == 0:
+                for gi, (g, p) in enumerate(zip(self.groups, pages)):
+                    if p != g.null_page and g.pool.register(p, hashes[j]) and gi == 0:
                         new.append(j)
                 done.append((pages, hashes[j]))
             self._report_stored(seq, new)
@@ -398,7 +398,10 @@ class KVCacheManager:
     def _report_stored(self, seq: "Seq", indices: list[int]) -> None:
         """KV events for ``seq``'s pages ``indices`` (ascending) that entered
         the prefix cache: one ``BlockStored`` per run of consecutive pages,
-        its parent the page before the run (None for the first page)."""
+        its parent the page before the run (None for the first page). The
+        events follow the first group's pool (one that keeps every token):
+        a router asks which prefixes an instance holds, by the one hash chain
+        every group shares."""
         events = self.pool.events
         if events is None or not indices:
             return

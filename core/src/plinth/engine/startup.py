@@ -143,7 +143,16 @@ def choose_model_loader(registry: PluginRegistry, source: ModelSource, ctx: Sele
             f"no installed model plugin builds architecture {source.architecture!r} ({source.format}). "
             + (f"Installed: {known}" if known else "No model plugins are installed.")
         )
-    best = max(matches, key=lambda e: e.descriptor.priority)
+    # the highest priority builds it; a tie goes to the first name, so the choice never depends on install order
+    ranked = sorted(matches, key=lambda e: (-e.descriptor.priority, e.name))
+    best = ranked[0]
+    if len(ranked) > 1:
+        log.info(
+            "model: %s %r is claimed by %s: using %s (highest priority%s)",
+            source.format, source.architecture,
+            ", ".join(f"{e.label()} priority {e.descriptor.priority}" for e in ranked), best.name,
+            ", then name" if ranked[1].descriptor.priority == best.descriptor.priority else "",
+        )
     return registry.select("model", best.name, ctx)
 
 
@@ -235,7 +244,7 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     device = accelerator.device(0)
     dtype = resolve_dtype(config.dtype, accelerator)
 
-    source = locate_model(config.model)
+    source = locate_model(config.model, registry)
     ctx = SelectionContext(accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep)
     loader_entry = choose_model_loader(registry, source, ctx)
     loader = loader_entry.load()()
