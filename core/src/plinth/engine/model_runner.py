@@ -151,7 +151,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, logit_rows: Seq[int]) -> torch.Tensor:
-        """Forward the batch; logits (float32) of the flat token rows asked for."""
+        """Forward the batch; logits (float32) of the flat token rows asked
+        for, on the model's device (the sampler works there; only sampled
+        ids and requested logprobs go to the host)."""
         input_ids, meta = self.build_metadata(batch)
         self.ops.prepare_attention(meta)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
@@ -161,7 +163,7 @@ class ModelRunner:
         picked = hidden.index_select(0, rows)
         if self.keep_hidden:  # a proposer reading the target's hidden states (MTP, EAGLE heads)
             self.last_hidden = picked
-        return self.model.compute_logits(picked).float().cpu()
+        return self.model.compute_logits(picked).float()
 
     @torch.inference_mode()
     def copy_pages(self, src: Seq[int], dst: Seq[int]) -> None:
