@@ -18,6 +18,7 @@ from plinth.contract import (
     AttentionMetadata,
     AttentionOp,
     Backend,
+    BackendCapabilities,
     BackendDescriptor,
     CausalLM,
     CopyPagesOp,
@@ -33,6 +34,7 @@ from plinth.contract import (
     ModelDescriptor,
     ModelLoader,
     ModelSource,
+    OpTable,
     PackLinearOp,
     PluginDescriptor,
     PluginImpl,
@@ -54,6 +56,8 @@ from plinth.contract import (
     ToolParse,
     ToolParser,
     ToolParserDescriptor,
+    missing_methods,
+    op_signature_problems,
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
@@ -88,6 +92,8 @@ def load_accelerator(name: str = "auto", options: dict | None = None) -> Acceler
 
 __all__ = [
     "load_accelerator",
+    "missing_methods",
+    "op_signature_problems",
     "BASE_OPS",
     "FUSED_OPS",
     "OP_NAMES",
@@ -100,6 +106,7 @@ __all__ = [
     "AllToAll",
     "AttentionMetadata",
     "Backend",
+    "BackendCapabilities",
     "BackendDescriptor",
     "CausalLM",
     "ConfigError",
@@ -127,6 +134,7 @@ __all__ = [
     "ModelDescriptor",
     "ModelLoader",
     "ModelSource",
+    "OpTable",
     "PlinthError",
     "PluginError",
     "ProposeItem",
