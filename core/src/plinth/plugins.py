@@ -432,7 +432,7 @@ class PluginRegistry:
         for category in CATEGORIES:
             for e in sorted(self.entries[category], key=lambda e: (e.name, e.distribution)):
                 cctx = contexts.get(category, ctx)
-                if e.status == OK:
+                if e.status in (OK, UNAVAILABLE):  # an earlier report may have judged it in another context
                     e.evaluate(cctx)
                 row = e.as_dict()
                 if (category, e.name) in dups:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
 from plinth.contract.base import PluginDescriptor, PluginImpl, SelectionContext
 
@@ -85,12 +85,26 @@ class KVConnector(PluginImpl):
     Both sides: ``health() -> (ok, why)`` (called off the step loop, also as
     the circuit breaker's probe: it may try to reconnect), ``close()``.
     Raise an exception for any failure; never return wrong bytes.
+
+    A store with tiers may call ``report_tier("stored" | "removed", keys,
+    medium)`` when values enter or leave one (``medium`` as vLLM names it:
+    ``"CPU"``, ``"STORAGE"``, ...); with ``--kv-events-config`` the core
+    publishes them as KV events carrying that medium (from any thread).
     """
 
     def __init__(self, ctx: SelectionContext, *, config: Mapping[str, Any], layout: KVLayout) -> None:
         self.ctx = ctx
         self.config = dict(config)
         self.layout = layout
+        #: set by the core when KV events are on: (kind, keys, medium)
+        self.tier_listener: Callable[[str, Sequence[str], str], None] | None = None
+
+    def report_tier(self, kind: str, keys: Sequence[str], medium: str) -> None:
+        """Values under ``keys`` were stored in (``"stored"``) or evicted from
+        (``"removed"``) this store's tier ``medium``."""
+        listener = getattr(self, "tier_listener", None)
+        if listener is not None and keys:
+            listener(kind, keys, medium)
 
     # scheduler side
     @abc.abstractmethod

@@ -28,6 +28,7 @@ from plinth.engine.block_manager import BlockPool
 from plinth.engine.config import EngineConfig
 from plinth.engine.engine import LLMEngine
 from plinth.engine.kv_cache_manager import KVCacheManager
+from plinth.engine.kv_events import build_recorder
 from plinth.engine.kv_transfer import build_kv_transfer, connector_options
 from plinth.engine.model_runner import ModelRunner, kv_page_bytes
 from plinth.engine.model_source import locate_model
@@ -257,11 +258,15 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     # KV connector is attached: the probes' pages are never saved anywhere)
     step_plan = plan_step(config, runner=runner, kv=kv, max_model_len=max_model_len)
     log.info("%s", step_plan.log_line())
+    # after the probes: their pages are no one's prefix
+    kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size)
     connector_name, connector_opts = connector_options(config.kv_connector, config.kv_connector_config)
     if connector_name:
         kv.connector = build_kv_transfer(
             registry, connector_name, connector_opts, ctx, runner, model_id=f"{_hash_seed(source, model_cfg):016x}"
         )
+        if kv.pool.events is not None:  # the store's tiers report with their medium
+            kv.connector.attach_events(kv.pool.events)
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
     components = Components(
         config=config,
