@@ -165,7 +165,7 @@ class BackendCapabilities:
                   inside the GEMM); "" when it keeps no FP8 weights (the
                   loader dequantizes them at load)
     fp8_why:      why that path, for the start-up log
-    gguf_formats: GGUF types (``q4_0``, ``q4_k``, ...) whose blocks
+    gguf_formats: GGUF types (``Q4_0``, ``Q4_K``, ...) whose blocks
                   ``pack_linear`` keeps; others are dequantized at load
     gguf_path:    how ``linear`` runs them, for the start-up log
     """
