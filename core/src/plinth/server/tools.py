@@ -347,10 +347,6 @@ class OutputParser:
                 self._args[i] = c.arguments
         return out
 
-    @property
-    def streamed_calls(self) -> int:
-        return len(self._args)
-
 
 def arguments_object(arguments: str) -> dict[str, Any]:
     """A call's arguments as an object (Anthropic's ``input``; chat templates)."""
