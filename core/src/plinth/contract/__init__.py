@@ -36,7 +36,7 @@ incompatible and cannot be chosen.
 
 from __future__ import annotations
 
-from plinth.contract.a2a import A2ADescriptor, AllToAll, DispatchedTokens
+from plinth.contract.a2a import A2ADescriptor, AllToAll, DispatchedTokens, expert_ranges
 from plinth.contract.accelerator import Accelerator, AcceleratorDescriptor, AcceleratorInfo
 from plinth.contract.backend import (
     BASE_OPS,
@@ -70,6 +70,7 @@ from plinth.contract.base import (
     descriptor_fields,
     missing_methods,
 )
+from plinth.contract.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from plinth.contract.kv_connector import KVConnector, KVConnectorDescriptor, KVLayout
 from plinth.contract.model import CausalLM, LoadContext, ModelConfig, ModelDescriptor, ModelLoader, ModelSource
 from plinth.contract.parsers import (
@@ -132,8 +133,11 @@ __all__ = [
     "CausalLM",
     "CopyPagesOp",
     "DispatchedTokens",
+    "expert_ranges",
     "DraftRunner",
     "FusedMoEOp",
+    "FullAttentionSpec",
+    "KVCacheSpec",
     "KVConnector",
     "KVConnectorDescriptor",
     "KVLayout",
@@ -160,6 +164,7 @@ __all__ = [
     "RmsNormOp",
     "RotaryOp",
     "SelectionContext",
+    "SlidingWindowSpec",
     "SiluAndMulOp",
     "ToolCallItem",
     "ToolParse",

@@ -1,5 +1,10 @@
 """Start-up: choose the plugins once, load the model, size the KV pool.
 
+``start_process`` is the one path of one process and of every rank (a rank
+passes its ``JoinWorld``, ``distributed.RankJoin``, for what differs: the
+process group, shared cores, the pool every rank agrees on).
+``factory.build_engine`` builds an engine from what it returns.
+
 Everything resolved here becomes plain objects (an accelerator instance, an
 op table of callables, a model module); the engine's steps never consult the
 plugin registry again.
@@ -10,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,16 +29,11 @@ from plinth.api import (
     SelectionContext,
     op_signature_problems,
 )
-from plinth.engine.block_manager import BlockPool
-from plinth.engine.config import EngineConfig
-from plinth.engine.engine import LLMEngine
-from plinth.engine.kv_cache_manager import KVCacheManager
-from plinth.engine.kv_events import build_recorder
-from plinth.engine.kv_transfer import build_kv_transfer, connector_options
-from plinth.engine.model_runner import ModelRunner, kv_page_bytes
+from plinth.engine.config import AUTO, EngineConfig
+from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.model_source import locate_model
-from plinth.engine.scheduler import Scheduler
-from plinth.engine.step_plan import plan_step
+from plinth.engine.parallel import ParallelGroups
+from plinth.engine.step_plan import CANDIDATE_TOKENS
 from plinth.errors import ConfigError, PluginError
 from plinth.plugins import PluginEntry, PluginRegistry
 
@@ -166,11 +166,20 @@ def choose_model_loader(registry: PluginRegistry, source: ModelSource, ctx: Sele
             f"no installed model plugin builds architecture {source.architecture!r} ({source.format}). "
             + (f"Installed: {known}" if known else "No model plugins are installed.")
         )
-    best = max(matches, key=lambda e: e.descriptor.priority)
+    # the highest priority builds it; a tie goes to the first name, so the choice never depends on install order
+    ranked = sorted(matches, key=lambda e: (-e.descriptor.priority, e.name))
+    best = ranked[0]
+    if len(ranked) > 1:
+        log.info(
+            "model: %s %r is claimed by %s: using %s (highest priority%s)",
+            source.format, source.architecture,
+            ", ".join(f"{e.label()} priority {e.descriptor.priority}" for e in ranked), best.name,
+            ", then name" if ranked[1].descriptor.priority == best.descriptor.priority else "",
+        )
     return registry.select("model", best.name, ctx)
 
 
-def _hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
+def hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
     """Salt for prefix-cache page hashes: pages of different models never match."""
     import os
 
@@ -178,126 +187,195 @@ def _hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
     return int.from_bytes(hashlib.blake2b(ident.encode(), digest_size=8).digest(), "little")
 
 
+@dataclass
+class KVPoolPlan:
+    """The KV pool of one process: usable pages of each KV-cache group."""
+
+    pages: list[int]
+    page_bytes: list[int]  # one page of each group, over its layers
+    budget: int | None  # bytes, or None when --num-pages gave the size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the largest group (a one-group model's pool)."""
+        return max(self.pages)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(n * b for n, b in zip(self.pages, self.page_bytes))
+
+
 def kv_pool_pages(
-    config: EngineConfig, accelerator: Any, model: Any, model_cfg: ModelConfig, dtype: torch.dtype, *,
-    max_model_len: int, tp: int | None = None, device_index: int = 0,
-) -> tuple[int, int, int | None]:
-    """(pages, bytes per page, memory budget or None) of one process's KV pool:
-    ``--num-pages``, else what the memory budget holds, never more pages than
-    every sequence at full length could use."""
-    page_bytes = kv_page_bytes(model_cfg, config.page_size, dtype, config.tp if tp is None else tp)
+    config: EngineConfig, accelerator: Any, model: Any, dtype: torch.dtype, *, max_model_len: int, device_index: int = 0,
+) -> KVPoolPlan:
+    """The pages of each KV-cache group, from the specs the model gives its
+    layers: ``--num-pages`` (or what the memory budget holds) for groups that
+    keep every token, never more than every sequence at full length could
+    use; a group that forgets (a sliding window) gets only what its window,
+    each step's new tokens and the sequences it holds at once can use."""
+    ps = config.page_size
+    groups = spec_groups(kv_cache_specs(model))
+    if not groups:
+        raise ConfigError("the model caches nothing in any layer: no KV pool to size")
+    page_bytes = [spec.page_bytes(ps, dtype) * len(layers) for spec, layers in groups]
+    max_useful = -(-config.max_num_seqs * max_model_len // ps) + 1
+    step_tokens = config.max_num_batched_tokens if config.max_num_batched_tokens != AUTO else max(CANDIDATE_TOKENS)
+    caps = []
+    for spec, _ in groups:
+        far = 1 << 40
+        reach = min(max_model_len, far - spec.first_needed(far))  # tokens one sequence's next query may read
+        caps.append(min(max_useful, config.max_num_seqs * (-(-reach // ps) + 1) + -(-int(step_tokens) // ps)))
+
+    def pages(n: int) -> list[int]:
+        return [min(n, cap) for cap in caps]
+
     if config.num_pages:
-        return config.num_pages, page_bytes, None
+        return KVPoolPlan(pages(config.num_pages), page_bytes, None)
     if config.kv_cache_memory is not None:
         budget = int(config.kv_cache_memory * (1 << 30))
     else:
         free, total = accelerator.memory(device_index)
         budget = accelerator.kv_cache_budget(free=free, total=total, weights=model.weight_bytes())
-    max_useful = -(-config.max_num_seqs * max_model_len // config.page_size) + 1
-    return min(budget // page_bytes, max_useful), page_bytes, budget
+    lo, hi = 0, max(caps)  # the largest group's pages that the budget holds, the others following
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(n * b for n, b in zip(pages(mid), page_bytes)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return KVPoolPlan(pages(lo), page_bytes, budget)
 
 
-def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> LLMEngine:
-    if config.ep != 1:  # the a2a plugin validates before anything loads: a named one fails with its reasons
-        registry = registry or PluginRegistry.discover()
+class JoinWorld(Protocol):
+    """A rank's part in start-up (``plinth.engine.distributed.RankJoin``):
+    what differs from one process, asked for at its place in ``start_process``."""
+
+    rank: int
+    local_rank: int
+
+    def share_cores(self, options: dict[str, Any]) -> None:
+        """Set the thread count of ranks sharing a node's cores (before ``init_process``)."""
+
+    def join(self, accelerator: Any) -> ParallelGroups:
+        """Rendezvous, the process group, the TP/DP/EP groups."""
+
+    def agree_num_pages(self, num_pages: int) -> int:
+        """The smallest KV pool any rank can hold."""
+
+
+@dataclass
+class Started:
+    """What start-up built in this process (one process, or one rank)."""
+
+    registry: PluginRegistry
+    ctx: SelectionContext
+    accelerator: Any
+    accelerator_name: str
+    backend_name: str
+    loader_name: str
+    source: ModelSource
+    model_cfg: ModelConfig
+    tokenizer: Any  # None on every rank but 0
+    model: Any
+    ops: Any
+    op_sources: dict[str, str]
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    plan: KVPoolPlan  # the KV pool: pages of each group (ranks: the smallest any rank holds)
+    groups: ParallelGroups | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return self.plan.num_pages
+
+    def components(self, config: EngineConfig, step_plan: Any) -> Components:
+        return Components(
+            config=config, accelerator=self.accelerator, accelerator_name=self.accelerator_name,
+            backend_name=self.backend_name, model_loader_name=self.loader_name, source=self.source,
+            model_config=self.model_cfg, dtype=self.dtype, device=self.device, ops=self.ops,
+            op_sources=self.op_sources, num_pages=self.num_pages, step_plan=step_plan,
+        )  # fmt: skip
+
+
+def check_a2a(config: EngineConfig, registry: PluginRegistry) -> None:
+    """With ep > 1 the a2a plugin validates before anything loads: a named one fails with its reasons."""
+    if config.ep != 1:
         registry.select("a2a", config.a2a, SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options)))
-    if config.tp * (config.dp or 1) > 1 or config.ep > config.tp:  # more than one rank
-        from plinth.engine.distributed import build_distributed_engine
 
-        return build_distributed_engine(config, registry)  # type: ignore[return-value]
-    registry = registry or PluginRegistry.discover()
+
+def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWorld | None = None) -> Started:
+    """The one start-up path of one process and of every rank: the plugins
+    (chosen once), the process group (``world``: ranks only), the model (its
+    shard), the KV pool's size."""
     options = dict(config.plugin_options)
-
-    ctx = SelectionContext(options=options)
-    acc_entry = registry.select("accelerator", config.device, ctx)
+    local_rank = world.local_rank if world is not None else 0
+    first = world is None or world.rank == 0
+    acc_entry = registry.select("accelerator", config.device, SelectionContext(options=options))
     accelerator = acc_entry.load()()
-    accelerator.init_process(local_rank=0, options=options)
+    if world is not None:
+        world.share_cores(options)
+    accelerator.init_process(local_rank=local_rank, options=options)
+    groups = world.join(accelerator) if world is not None else None
     # unseeded requests draw from torch's default generator: --seed makes a
     # server's run reproducible, as vLLM's --seed does
     torch.manual_seed(config.seed)
-    device = accelerator.device(0)
+    device = accelerator.device(local_rank)
     dtype = resolve_dtype(config.dtype, accelerator)
 
-    source = locate_model(config.model)
+    source = locate_model(config.model, registry)
     ctx = SelectionContext(accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep)
     loader_entry = choose_model_loader(registry, source, ctx)
     loader = loader_entry.load()()
     model_cfg = loader.load_config(source)
     max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
-    if config.max_model_len and config.max_model_len > model_cfg.max_model_len:
+    if first and config.max_model_len and config.max_model_len > model_cfg.max_model_len:
         log.warning("max_model_len %d is beyond the model's %d: using %d", config.max_model_len, model_cfg.max_model_len, max_model_len)
 
     ctx.model = model_cfg
-    backend_entry = registry.select(
-        "backend", config.backend, ctx, prefer=accelerator.info().preferred_backends
-    )
+    backend_entry = registry.select("backend", config.backend, ctx, prefer=accelerator.info().preferred_backends)
     ops, op_sources = resolve_ops(registry, backend_entry, ctx)
     tried = [backend_entry.name] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e is not backend_entry]
     check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
+    parallel: dict[str, Any] = {}
+    if groups is not None:
+        a2a = None
+        if groups.layout.ep > 1:
+            a2a_entry = registry.select("a2a", config.a2a, ctx)
+            a2a = a2a_entry.load()(ctx, group=groups.ep_group, num_experts=model_cfg.num_experts, hidden_size=model_cfg.hidden_size)
+            if first:
+                log.info("a2a: %s over %d ranks", a2a_entry.label(), groups.layout.ep)
+        parallel = dict(
+            tp_rank=groups.tp_rank, tp_size=groups.layout.tp, tp_group=groups.tp_group,
+            ep_rank=groups.ep_rank, ep_size=groups.layout.ep, ep_group=groups.ep_group, a2a=a2a,
+        )  # fmt: skip
 
-    tokenizer = loader.load_tokenizer(source)
-    load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress, dequantize=config.dequantize)
+    tokenizer = loader.load_tokenizer(source) if first else None
+    load_ctx = LoadContext(
+        device=device, dtype=dtype, ops=ops, progress=config.load_progress and first, dequantize=config.dequantize, **parallel
+    )
     model = loader.load_model(source, model_cfg, load_ctx)
-    num_pages, page_bytes, budget = kv_pool_pages(config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len)
-    if num_pages < 1:
-        raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, one page takes {page_bytes})")
-    log.info(
-        "KV cache: %d pages x %d tokens (%.2f GiB, %s)",
-        num_pages, config.page_size, num_pages * page_bytes / (1 << 30), str(dtype).removeprefix("torch."),
-    )
-
-    runner = ModelRunner(
-        model, ops, model_cfg, device=device, dtype=dtype, num_pages=num_pages, page_size=config.page_size, tp=config.tp
-    )
-    kv = KVCacheManager(
-        BlockPool(num_pages, config.page_size, enable_caching=config.enable_prefix_caching),
-        hash_seed=_hash_seed(source, model_cfg),
-        copy_pages=runner.copy_pages,
-    )
-    # the step's token budget: given, or timed on this model here (before a
-    # KV connector is attached: the probes' pages are never saved anywhere)
-    step_plan = plan_step(config, runner=runner, kv=kv, max_model_len=max_model_len)
-    log.info("%s", step_plan.log_line())
-    # after the probes: their pages are no one's prefix
-    kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size)
-    connector_name, connector_opts = connector_options(config.kv_connector, config.kv_connector_config)
-    if connector_name:
-        kv.connector = build_kv_transfer(
-            registry, connector_name, connector_opts, ctx, runner, model_id=f"{_hash_seed(source, model_cfg):016x}"
-        )
-        if kv.pool.events is not None:  # the store's tiers report with their medium
-            kv.connector.attach_events(kv.pool.events)
-    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
-    components = Components(
-        config=config,
-        accelerator=accelerator,
-        accelerator_name=acc_entry.name,
-        backend_name=backend_entry.name,
-        model_loader_name=loader_entry.name,
-        source=source,
-        model_config=model_cfg,
-        dtype=dtype,
-        device=device,
-        ops=ops,
-        op_sources=op_sources,
-        num_pages=num_pages,
-        step_plan=step_plan,
-    )
-    spec = None
-    if config.speculative_method:
-        draft = dict(registry=registry, ctx=ctx, ops=ops, backend=backend_entry.name, num_pages=num_pages, page_size=config.page_size)
-        spec = build_spec_decoder(config, registry, ctx, model_cfg, tokenizer, draft)
-        runner.keep_hidden = spec.wants_hidden
-    log.info("engine ready: %s", components.describe())
-    return LLMEngine(
-        runner=runner,
-        tokenizer=tokenizer,
-        model_config=model_cfg,
-        scheduler=scheduler,
-        max_model_len=max_model_len,
-        components=components,
-        spec=spec,
-    )
+    plan = kv_pool_pages(config, accelerator, model, dtype, max_model_len=max_model_len, device_index=local_rank)
+    if world is not None:
+        if len(plan.pages) > 1:  # the step payload carries one block table per sequence
+            raise ConfigError(
+                f"{model_cfg.architecture}: a model with {len(plan.pages)} KV-cache groups (sliding-window layers) "
+                "runs in one process only, for now"
+            )
+        plan = KVPoolPlan([world.agree_num_pages(plan.pages[0])], plan.page_bytes, plan.budget)
+    if min(plan.pages) < 1:
+        where = "" if world is None else " on some rank"
+        raise ConfigError(f"no memory left for the KV cache{where} (budget {plan.budget} bytes, one page takes {sum(plan.page_bytes)})")
+    if first:
+        log.info(
+            "KV cache: %s pages x %d tokens (%.2f GiB, %s)",
+            "+".join(map(str, plan.pages)), config.page_size, plan.total_bytes / (1 << 30), str(dtype).removeprefix("torch."),
+        )  # fmt: skip
+    return Started(
+        registry=registry, ctx=ctx, accelerator=accelerator, accelerator_name=acc_entry.name, backend_name=backend_entry.name,
+        loader_name=loader_entry.name, source=source, model_cfg=model_cfg, tokenizer=tokenizer, model=model, ops=ops,
+        op_sources=op_sources, device=device, dtype=dtype, max_model_len=max_model_len, plan=plan, groups=groups,
+    )  # fmt: skip
 
 
 # ---- speculative decoding -----------------------------------------------------------------
@@ -321,13 +399,16 @@ def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionCon
         tried = [backend] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e.name != backend]
         check_required_ops(loader.required_ops(cfg), ops, tried, cfg.architecture)
         model = loader.load_model(source, cfg, LoadContext(device=ctx.accelerator.device(0), dtype=ctx.dtype, ops=ops, progress=False))
-        runner = ModelRunner(model, ops, cfg, device=ctx.accelerator.device(0), dtype=ctx.dtype, num_pages=num_pages, page_size=page_size)
+        runner = ModelRunner(
+            model, ops, cfg, device=ctx.accelerator.device(0), dtype=ctx.dtype, num_pages=num_pages, page_size=page_size,
+            enable_caching=False,
+        )
     except PluginError as exc:
         raise PluginError(f"the draft model {path} cannot load: {exc}") from exc
     except Exception as exc:
         raise PluginError(f"the draft model {path} cannot load: {type(exc).__name__}: {exc}") from exc
     log.info("draft model %s: %s, %d layers, %d pages x %d tokens", path, cfg.architecture, cfg.num_layers, num_pages, page_size)
-    return DraftModelRunner(runner, num_pages, page_size, cfg.vocab_size)
+    return DraftModelRunner(runner, cfg.vocab_size)
 
 
 def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: SelectionContext, model_cfg: ModelConfig, tokenizer: Any, draft: dict[str, Any]) -> Any:
