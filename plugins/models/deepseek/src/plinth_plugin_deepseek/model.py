@@ -15,7 +15,7 @@ biased scores), weights from the unbiased scores, renormalized when
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from plinth.api import AttentionMetadata
@@ -221,5 +221,5 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
                 total += w.numel() * w.element_size()
             else:
                 size = getattr(w, "nbytes", 0)
-                total += int(size() if callable(size) else size)
+                total += int(cast(Any, size)() if callable(size) else size)
         return total
