@@ -139,6 +139,57 @@ def cos_sin_table(arch: DeepseekArch) -> torch.Tensor:
     return torch.cat((angles.cos() * scaling, angles.sin() * scaling), dim=-1)
 
 
+# ---- FP8 checkpoints (DeepSeek-V3/R1, Kimi K2 as released) ----
+
+
+def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
+    """The weight blocks of a block-scaled FP8 checkpoint, None when not
+    quantized; other quantizations are refused."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    block = quant.get("weight_block_size")
+    if quant.get("quant_method") != "fp8" or not block or len(block) != 2:
+        raise ConfigError(f"the deepseek plugin loads block-scaled FP8 checkpoints (quant_method fp8 with weight_block_size), not {quant}")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 weight [out, in] from FP8 values and one float32 scale per
+    block [ceil(out / b0), ceil(in / b1)] (DeepSeek's ``weight_dequant``:
+    w = fp8 * scale_inv, edge blocks cut to the weight)."""
+    out, inp = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
+    return weight.float() * scale
+
+
+def _dequantized(tensors: Any, block: tuple[int, int] | None) -> Any:
+    """The checkpoint's tensors with FP8 weights dequantized to float32 at
+    load (no backend op keeps DeepSeek's FP8 here yet): FP8 weights wait for
+    their ``weight_scale_inv``, which may come later or from another shard."""
+    if block is None:
+        yield from tensors
+        return
+    waiting: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith("_scale_inv"):
+            weight = name.removesuffix("_scale_inv")
+            if weight in waiting:
+                yield weight, dequantize_fp8(waiting.pop(weight), tensor, block)
+            else:
+                scales[weight] = tensor
+        elif tensor.dtype == torch.float8_e4m3fn:
+            if name in scales:
+                yield name, dequantize_fp8(tensor, scales.pop(name), block)
+            else:
+                waiting[name] = tensor
+        else:
+            yield name, tensor
+    if waiting:
+        raise ConfigError(f"FP8 weights without a weight_scale_inv: {sorted(waiting)[:3]}")
+
+
 class DeepseekLoader(ModelLoader):
     """Builds DeepseekV3ForCausalLM."""
 
@@ -200,12 +251,11 @@ class DeepseekLoader(ModelLoader):
         cfg = dict(config.raw) if config.raw else self.hf_config(source)
         if ctx.tp_size > 1 or ctx.ep_size > 1:
             raise ConfigError("the deepseek plugin runs at tp = 1 and ep = 1 for now (MLA heads over tp and experts over ep are not in yet)")
-        if cfg.get("quantization_config"):
-            raise ConfigError("the deepseek plugin does not load quantized (FP8) checkpoints yet: dequantize to bf16 first")
+        block = fp8_block_size(cfg)
         arch = DeepseekArch.from_hf(cfg)
         top: dict[str, torch.Tensor] = {}
         per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(arch.num_layers)]
-        for name, tensor in iter_safetensors(source.path, dtype=None, progress=ctx.progress):
+        for name, tensor in _dequantized(iter_safetensors(source.path, dtype=None, progress=ctx.progress), block):
             where = _map_name(name)
             if where is None:
                 log.debug("ignoring checkpoint tensor %s", name)
