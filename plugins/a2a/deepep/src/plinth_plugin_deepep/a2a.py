@@ -198,6 +198,7 @@ class DeepEPAllToAll(AllToAll):
 
         buf = self._elastic_buffer(idx.shape[1])
         if decode and self._same_routing_everywhere(idx, weights):
+            assert self._cached is not None  # the same routing as the cached step's
             _, _, handle, recv_idx, recv_weights = self._cached
             recv_x, _, _, handle, _event = buf.dispatch(x, handle=handle)
         else:
