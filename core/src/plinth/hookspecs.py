@@ -246,6 +246,36 @@ REGISTRATION_HOOKS: dict[str, str] = {
 # --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PlannedLayout:
+    """What start-up knows of a parallel run before any rank exists: the
+    process layout, the device kind and the model's MoE shape. An a2a
+    plugin's ``check`` judges this (the launcher asks before it spawns a
+    rank); what only a live group can tell (buffer allocation, NVSHMEM) is
+    the plugin's ``reserve_buffers`` in each rank, before weights load."""
+
+    world: int = 1
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    nnodes: int = 1
+    #: ranks (devices) per node
+    local_world: int = 1
+    #: the chosen accelerator's torch device type ("cuda", "cpu", ...)
+    device_type: str = ""
+    #: its compute capability as the accelerator reports it ("sm_90"), "" if none
+    capability: str = ""
+    dtype: str = ""
+    hidden_size: int = 0
+    num_experts: int = 0
+    #: experts chosen per token
+    top_k: int = 0
+    #: the most tokens one rank runs in a step (the step token budget)
+    max_tokens_per_step: int = 0
+    #: the most sequences in a step (a decode-only step has at most this many tokens)
+    max_num_seqs: int = 0
+
+
 @dataclass
 class SelectionContext:
     """Everything known when a plugin is validated or built.
@@ -263,6 +293,8 @@ class SelectionContext:
     options: Mapping[str, Any] = field(default_factory=dict)
     #: proposers only: what the engine offers them (None in `platform plugins`)
     speculative: "ProposerContext | None" = None
+    #: a2a plugins: the planned parallel layout (None in `platform plugins`)
+    layout: "PlannedLayout | None" = None
 
 
 class PluginImpl:
@@ -331,11 +363,28 @@ class Accelerator(PluginImpl):
         """(free, total) bytes of device ``index``; sizes the KV page pool."""
         raise NotImplementedError
 
-    def kv_cache_budget(self, *, free: int, total: int, weights: int) -> int:
+    def kv_cache_budget(
+        self, *, free: int, total: int, weights: int, activation_peak: int = 0, reserved: int = 0, utilization: float = 0.9
+    ) -> int:
         """Bytes the KV page pool takes by default (``--kv-cache-memory`` and
-        ``--num-pages`` override). A device that holds nothing else takes most
-        of what is free; a host shares its memory and takes less."""
-        return int(0.9 * free) - weights
+        ``--num-pages`` override), asked after the weights loaded and the a2a
+        buffers were allocated: ``free`` is measured then, so it already
+        lacks them. A device that holds nothing else takes ``utilization``
+        of its memory less what the run holds besides the pool (weights, the
+        profiled activation peak, ``reserved``: a2a buffers, a draft model),
+        and never more than is free (as vLLM's ``--gpu-memory-utilization``);
+        a host shares its memory and takes less."""
+        return min(int(utilization * total) - weights - activation_peak - reserved, free - activation_peak)
+
+    def measure_peak(self, fn: "Callable[[], Any]", index: int = 0) -> int:
+        """Run ``fn`` (the profiling forward) and return the most device bytes
+        it held at once beyond what was held before. The default reads
+        ``memory`` before and after: right for caching allocators, which keep
+        what a forward took; a device with a peak counter overrides it."""
+        before, _ = self.memory(index)
+        fn()
+        after, _ = self.memory(index)
+        return max(0, before - after)
 
     def supported_dtypes(self) -> "list[torch.dtype]":
         import torch
@@ -674,7 +723,10 @@ class AllToAll(PluginImpl):
     global experts ``r * E / size .. (r + 1) * E / size - 1``. Every rank of
     the group calls dispatch and combine the same number of times, in the
     same order (a rank with no tokens passes empty tensors). ``check`` runs
-    at start-up before any weight loads, with ``ctx.ep`` set.
+    in the launcher before any rank exists, judging ``ctx.layout`` (a
+    ``PlannedLayout``: world, tp/dp/ep, nodes, device, dtype, hidden size,
+    experts, top-k, tokens per step); ``ctx.layout`` is None in
+    ``platform plugins``, where a check answers what it can.
     """
 
     def __init__(self, ctx: SelectionContext, *, group: Any, num_experts: int, hidden_size: int) -> None:
@@ -694,6 +746,13 @@ class AllToAll(PluginImpl):
         """The experts' output in the layout dispatch gave -> hidden [T, H]
         for the tokens this rank dispatched, the weighted sum over top-k."""
         raise NotImplementedError
+
+    def reserve_buffers(self) -> int:
+        """Allocate the communication buffers now (collective: every rank of
+        the group calls it together, at start-up before weights load) and
+        return the device bytes they hold, which the KV budget leaves free.
+        A failure here (NVSHMEM init, out of memory) is raised with its reason."""
+        return 0
 
 
 # ---- KV connector -------------------------------------------------------------

@@ -27,6 +27,7 @@ this exists: ``build_engine`` never imports this module.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -41,7 +42,7 @@ import torch
 
 from plinth.engine.config import EngineConfig
 from plinth.engine.parallel import ParallelGroups, ParallelLayout, init_groups
-from plinth.errors import ConfigError, PlinthError
+from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import AttentionMetadata, LoadContext, SelectionContext
 
 log = logging.getLogger("plinth.distributed")
@@ -142,7 +143,16 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
     import torch.distributed as dist
 
     from plinth.engine.model_source import locate_model
-    from plinth.engine.startup import check_required_ops, choose_model_loader, kv_pool_pages, resolve_dtype, resolve_ops
+    from plinth.engine.startup import (
+        check_required_ops,
+        choose_model_loader,
+        kv_pool_pages,
+        needs_memory_budget,
+        profile_activation_peak,
+        profiling_tokens,
+        resolve_dtype,
+        resolve_ops,
+    )  # fmt: skip
     from plinth.plugins import PluginRegistry
 
     layout = resolve_layout(config)
@@ -180,12 +190,7 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
     ops, op_sources = resolve_ops(registry, backend_entry, ctx)
     tried = [backend_entry.name] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e is not backend_entry]
     check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
-    a2a = None
-    if layout.ep > 1:
-        a2a_entry = registry.select("a2a", config.a2a, ctx)
-        a2a = a2a_entry.load()(ctx, group=groups.ep_group, num_experts=model_cfg.num_experts, hidden_size=model_cfg.hidden_size)
-        if rank == 0:
-            log.info("a2a: %s over %d ranks", a2a_entry.label(), layout.ep)
+    a2a, a2a_bytes = build_a2a(config, registry, ctx, groups, model_cfg, rank) if layout.ep > 1 else (None, 0)
     tokenizer = loader.load_tokenizer(source) if rank == 0 else None
     load_ctx = LoadContext(
         device=device, dtype=dtype, ops=ops, progress=config.load_progress and rank == 0,
@@ -193,9 +198,16 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
         ep_rank=groups.ep_rank, ep_size=layout.ep, ep_group=groups.ep_group, a2a=a2a, dequantize=config.dequantize,
     )  # fmt: skip
     model = loader.load_model(source, model_cfg, load_ctx)
+    peak = 0
+    if needs_memory_budget(config):  # every rank together: the forward's collectives
+        peak = profile_activation_peak(
+            accelerator, model, ops, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
+            tokens=profiling_tokens(config, max_model_len), tp=layout.tp, device_index=local_rank,
+        )  # fmt: skip
     num_pages, page_bytes, _ = kv_pool_pages(
-        config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len, tp=layout.tp, device_index=local_rank
-    )
+        config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len, tp=layout.tp, device_index=local_rank,
+        activation_peak=peak, reserved=a2a_bytes,
+    )  # fmt: skip
     # the smallest pool any rank can hold (ranks of one node share its memory); after
     # loading, which may take any time: the long-timeout store, not a collective
     store.set(f"plinth/pages/{rank}", str(int(num_pages)))
@@ -208,6 +220,26 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
         layout, groups, ctrl, accelerator, acc_entry.name, backend_entry.name, loader_entry.name, source, model_cfg,
         tokenizer, model, ops, op_sources, device, dtype, int(num_pages), max_model_len,
     )
+
+
+def build_a2a(config: EngineConfig, registry: Any, ctx: SelectionContext, groups: ParallelGroups, model_cfg: Any, rank: int) -> tuple[Any, int]:
+    """This rank's a2a plugin and the device bytes of its buffers, allocated
+    now (every rank together), before the weights load and the KV pool is
+    sized. The launcher judged the planned layout and named the plugin
+    (``startup.choose_a2a``); a node started alone (``run_node``) with
+    ``--a2a auto`` judges the same plan here."""
+    from plinth.engine.startup import planned_layout
+
+    ctx = dataclasses.replace(ctx, layout=planned_layout(config, registry))
+    entry = registry.get("a2a", config.a2a) if config.a2a != "auto" else registry.select("a2a", "auto", ctx)
+    a2a = entry.load()(ctx, group=groups.ep_group, num_experts=model_cfg.num_experts, hidden_size=model_cfg.hidden_size)
+    try:
+        reserved = int(a2a.reserve_buffers())
+    except Exception as exc:
+        raise PluginError(f"a2a {entry.label()} could not set up its buffers on rank {rank}: {type(exc).__name__}: {exc}") from exc
+    if rank == 0:
+        log.info("a2a: %s over %d ranks, %.1f MiB of buffers per rank", entry.label(), ctx.layout.ep, reserved / 2**20)
+    return a2a, reserved
 
 
 def make_store(config: EngineConfig, is_master: bool, port: int) -> Any:

@@ -7,6 +7,7 @@ plugin registry again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from plinth.api import PlannedLayout
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.config import EngineConfig
 from plinth.engine.engine import LLMEngine
@@ -155,13 +157,47 @@ def _hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
     return int.from_bytes(hashlib.blake2b(ident.encode(), digest_size=8).digest(), "little")
 
 
+def needs_memory_budget(config: EngineConfig) -> bool:
+    """Whether the KV pool is sized from the device's memory (so a profiling forward is worth running)."""
+    return not config.num_pages and config.kv_cache_memory is None
+
+
+def profiling_tokens(config: EngineConfig, max_model_len: int) -> int:
+    """Tokens of the profiling forward: the step token budget (the default
+    one where it is measured later), within the model's length."""
+    from plinth.engine.config import AUTO, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    budget = config.max_num_batched_tokens
+    tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS if budget == AUTO else int(budget)
+    return max(1, min(tokens, max_model_len))
+
+
+def profile_activation_peak(
+    accelerator: Any, model: Any, ops: Any, model_cfg: ModelConfig, *, device: Any, dtype: torch.dtype,
+    page_size: int, tokens: int, tp: int = 1, device_index: int = 0,
+) -> int:
+    """The activation peak of one forward of ``tokens`` prompt tokens, as
+    vLLM's ``determine_available_memory`` profiles it: run once, before the
+    KV pool exists, in a scratch pool just big enough (its pages count in
+    the peak: a little over, never under). Every rank of a multi-rank run
+    calls it together (the forward's collectives)."""
+    from plinth.engine.step_plan import prefill_forward
+
+    pages = -(-tokens // page_size) + 1
+    runner = ModelRunner(model, ops, model_cfg, device=device, dtype=dtype, num_pages=pages, page_size=page_size, tp=tp)
+    kv = KVCacheManager(BlockPool(pages, page_size, enable_caching=False), hash_seed=0, copy_pages=runner.copy_pages)
+    forward = prefill_forward(runner, kv)
+    return int(accelerator.measure_peak(lambda: forward(tokens), device_index))  # the scratch pool goes with this frame
+
+
 def kv_pool_pages(
     config: EngineConfig, accelerator: Any, model: Any, model_cfg: ModelConfig, dtype: torch.dtype, *,
-    max_model_len: int, tp: int | None = None, device_index: int = 0,
+    max_model_len: int, tp: int | None = None, device_index: int = 0, activation_peak: int = 0, reserved: int = 0,
 ) -> tuple[int, int, int | None]:
     """(pages, bytes per page, memory budget or None) of one process's KV pool:
     ``--num-pages``, else what the memory budget holds, never more pages than
-    every sequence at full length could use."""
+    every sequence at full length could use. The budget is asked after the
+    weights loaded: they count once (``weights``), not again through ``free``."""
     page_bytes = kv_page_bytes(model_cfg, config.page_size, dtype, config.tp if tp is None else tp)
     if config.num_pages:
         return config.num_pages, page_bytes, None
@@ -169,15 +205,58 @@ def kv_pool_pages(
         budget = int(config.kv_cache_memory * (1 << 30))
     else:
         free, total = accelerator.memory(device_index)
-        budget = accelerator.kv_cache_budget(free=free, total=total, weights=model.weight_bytes())
+        budget = accelerator.kv_cache_budget(
+            free=free, total=total, weights=model.weight_bytes(), activation_peak=activation_peak, reserved=reserved,
+            utilization=config.gpu_memory_utilization,
+        )  # fmt: skip
+        log.info(
+            "KV budget: %.2f GiB = min(%.2f x %.2f GiB total - %.2f weights - %.2f activation peak - %.2f buffers, %.2f free - peak)",
+            budget / 2**30, config.gpu_memory_utilization, total / 2**30, model.weight_bytes() / 2**30,
+            activation_peak / 2**30, reserved / 2**30, free / 2**30,
+        )  # fmt: skip
     max_useful = -(-config.max_num_seqs * max_model_len // config.page_size) + 1
-    return min(budget // page_bytes, max_useful), page_bytes, budget
+    return min(max(budget, 0) // page_bytes, max_useful), page_bytes, budget
+
+
+def planned_layout(config: EngineConfig, registry: PluginRegistry) -> PlannedLayout:
+    """What the launcher knows before any rank exists: the process layout,
+    the accelerator's device kind, the model's MoE shape (read from its
+    config, no weights) and the step token budget of a multi-rank run."""
+    from plinth.engine.parallel import ParallelLayout
+
+    layout = ParallelLayout.resolve(config.tp, config.dp, config.ep)
+    options = dict(config.plugin_options)
+    info = registry.select("accelerator", config.device, SelectionContext(options=options)).load()().info()
+    model: dict[str, Any] = {}
+    try:  # a model that cannot be located fails later, with its own reason; the plan judges what is known
+        source = locate_model(config.model)
+        cfg = choose_model_loader(registry, source, SelectionContext(options=options)).load()().load_config(source)
+        model = dict(hidden_size=cfg.hidden_size, num_experts=cfg.num_experts, top_k=int(cfg.raw.get("num_experts_per_tok", 0) or 0))
+    except (ConfigError, PluginError, OSError) as exc:
+        log.debug("planned layout without the model's shape: %s", exc)
+    step = plan_step(config, max_model_len=0, distributed=True)  # the budget every multi-rank run takes
+    return PlannedLayout(
+        world=layout.world, tp=layout.tp, dp=layout.dp, ep=layout.ep, nnodes=config.nnodes,
+        local_world=max(1, layout.world // max(1, config.nnodes)), device_type=info.device_type,
+        capability=info.capability or "", dtype=config.dtype, max_tokens_per_step=step.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, **model,
+    )  # fmt: skip
+
+
+def choose_a2a(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
+    """The a2a plugin judged against the planned layout in the launcher (a
+    named one fails with every candidate's reasons); the ranks build the one
+    chosen here, by name."""
+    ctx = SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=planned_layout(config, registry))
+    entry = registry.select("a2a", config.a2a, ctx)
+    log.info("a2a: %s for %s", entry.label(), ctx.layout)
+    return dataclasses.replace(config, a2a=entry.name)
 
 
 def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> LLMEngine:
-    if config.ep != 1:  # the a2a plugin validates before anything loads: a named one fails with its reasons
+    if config.ep != 1:  # the a2a plugin validates before anything loads or any rank starts
         registry = registry or PluginRegistry.discover()
-        registry.select("a2a", config.a2a, SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options)))
+        config = choose_a2a(config, registry)
     if config.tp * (config.dp or 1) > 1 or config.ep > config.tp:  # more than one rank
         from plinth.engine.distributed import build_distributed_engine
 
@@ -215,7 +294,15 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     tokenizer = loader.load_tokenizer(source)
     load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress, dequantize=config.dequantize)
     model = loader.load_model(source, model_cfg, load_ctx)
-    num_pages, page_bytes, budget = kv_pool_pages(config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len)
+    peak = 0
+    if needs_memory_budget(config):
+        peak = profile_activation_peak(
+            accelerator, model, ops, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
+            tokens=profiling_tokens(config, max_model_len),
+        )  # fmt: skip
+    num_pages, page_bytes, budget = kv_pool_pages(
+        config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len, activation_peak=peak
+    )
     if num_pages < 1:
         raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, one page takes {page_bytes})")
     log.info(
@@ -306,8 +393,6 @@ def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionCon
 def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: SelectionContext, model_cfg: ModelConfig, tokenizer: Any, draft: dict[str, Any]) -> Any:
     """The proposer named by ``--speculative-method``, validated with a
     ``ProposerContext`` (a named plugin fails with every candidate's reasons)."""
-    import dataclasses
-
     from plinth.engine.speculative import SpecDecoder, StepCostModel
     from plinth.hookspecs import ProposerContext
 
