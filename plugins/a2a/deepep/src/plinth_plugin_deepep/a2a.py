@@ -131,7 +131,7 @@ class DeepEPAllToAll(AllToAll):
         generation = str(options.get("deepep_generation", "auto"))
         if generation not in ("auto", "legacy", "v2"):
             return reasons + [f"deepep_generation must be auto, legacy or v2, not {generation!r}"]
-        if installed and generation == "v2" and _major(version) < 2:
+        if installed and generation == "v2" and version is not None and _major(version) < 2:
             reasons.append(f"deepep_generation=v2 needs DeepEP 2.x (ElasticBuffer); installed: {version}")
         if _low_latency_wanted(options) not in ("auto", "on", "off"):
             reasons.append(f"deepep_low_latency must be auto, on or off, not {options.get('deepep_low_latency')!r}")
@@ -248,7 +248,8 @@ class DeepEPAllToAll(AllToAll):
             recv, counts, handle, _event, _hook = self._buffer.low_latency_dispatch(
                 x, idx, self.max_decode_tokens, self.num_experts, use_fp8=False
             )
-            return DispatchedTokens("padded", recv, counts), _Handle("low_latency", handle, hidden.dtype, idx, weights)
+            # the experts compute in the model's dtype (a no-op for bf16 models, DeepEP's own)
+            return DispatchedTokens("padded", recv.to(hidden.dtype), counts), _Handle("low_latency", handle, hidden.dtype, idx, weights)
         buf = self._buffer
         self._dirty_for_low_latency = self.low_latency
         per_rank, per_rdma_rank, per_expert, in_rank, _event = buf.get_dispatch_layout(idx, self.num_experts)
@@ -258,7 +259,7 @@ class DeepEPAllToAll(AllToAll):
         )
         # `counts` is a host list (dispatch waited for it): one copy to the device, no further sync
         counts = torch.tensor(counts, dtype=torch.int64).to(recv_x.device, non_blocking=True)
-        return DispatchedTokens("flat", recv_x, counts, recv_idx, recv_weights), _Handle("normal", handle, hidden.dtype)
+        return DispatchedTokens("flat", recv_x.to(hidden.dtype), counts, recv_idx, recv_weights), _Handle("normal", handle, hidden.dtype)
 
     def _dispatch_v2(self, x: Any, idx: Any, weights: Any, dtype: Any) -> tuple[DispatchedTokens, _Handle]:
         import torch
@@ -273,7 +274,7 @@ class DeepEPAllToAll(AllToAll):
         )  # fmt: skip
         n = int(handle.num_recv_tokens)  # exact: dispatch synced with the host (do_cpu_sync defaults to True)
         counts = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64).to(recv_x.device, non_blocking=True)
-        got = DispatchedTokens("flat", recv_x[:n], counts, recv_idx[:n], recv_weights[:n])
+        got = DispatchedTokens("flat", recv_x[:n].to(dtype), counts, recv_idx[:n], recv_weights[:n])
         return got, _Handle("v2", handle, dtype, rows=recv_x.shape[0])
 
     def combine(self, expert_out: Any, handle: _Handle) -> Any:
