@@ -54,7 +54,7 @@ def test_every_reason_on_a_cpu_machine():
 def test_each_upstream_limit_is_refused_with_its_number(fake_installed, monkeypatch):
     assert any("sm_80" in r for r in check(capability="sm_80"))
     legacy = {"deepep_generation": "legacy"}
-    assert any(f"not 3" in r and str(LEGACY_RANKS[:2]).rstrip(")") in r for r in check(legacy, world=3, dp=3, ep=3, num_experts=63))
+    assert any("not 3" in r and str(LEGACY_RANKS[:2]).rstrip(")") in r for r in check(legacy, world=3, dp=3, ep=3, num_experts=63))
     assert any("multiple of 8 NVLink peers" in r for r in check(legacy, world=12, dp=12, ep=12, num_experts=48))  # 12 is not in the map either
     assert any("1024" in r for r in check(legacy, num_experts=8 * 1032))
     assert any("do not split over ep 8" in r for r in check(num_experts=60))
