@@ -845,7 +845,9 @@ class KVConnector(PluginImpl):
         raise NotImplementedError
 
     def register_buffer(self, buffer: "torch.Tensor") -> None:
-        """The CPU staging area every load buffer and save value lies in."""
+        """The CPU staging area the calls that follow on this thread use (each
+        load buffer and save value lies in it). Called once per worker thread
+        and kept: again only with a bigger area, which replaces the old one."""
 
     def health(self) -> tuple[bool, str]:
         """(reachable, why not). May block; the core calls it off the step loop."""
