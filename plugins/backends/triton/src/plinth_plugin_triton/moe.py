@@ -117,7 +117,9 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     valid = (flat >= 0) & (flat < num_experts)
     bucket = torch.where(valid, flat, num_experts)
     order = torch.argsort(bucket, stable=True)
-    counts = torch.bincount(bucket, minlength=num_experts + 1)[:num_experts]
+    # per-expert counts on the device: bincount sizes its output from the input's max, a host sync
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, bucket, torch.ones_like(bucket))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
