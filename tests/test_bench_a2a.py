@@ -55,7 +55,7 @@ def test_bench_a2a_two_ranks(tmp_path):
 def test_unavailable_plugin_is_skipped_with_reasons(tmp_path):
     """deepep cannot run here (no GPU): listed with its check() reasons, exit 0, no ranks spawned."""
     pytest.importorskip("plinth_plugin_deepep")
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import SelectionContext
     from plinth.plugins import PluginRegistry
 
     registry = PluginRegistry.discover(allow="", block="")

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from plinth.api import load_accelerator
+from plinth.api import SelectionContext, load_accelerator
 from plinth.engine.startup import resolve_ops
-from plinth.hookspecs import SelectionContext
 from plinth.plugins import PluginRegistry
 
 PLATFORM = str(Path(sys.executable).with_name("platform"))

@@ -9,7 +9,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from kv_servers import free_port
-from plinth.server.proxy import Pool, build_proxy_app, prefill_body
+from plinth.server.proxy import build_proxy_app, prefill_body
+from plinth.server.replicas import ReplicaSet
 from server_fixtures import ServerThread
 
 
@@ -42,10 +43,12 @@ def test_prefill_body_and_pool():
     assert prefill_body("/v1/completions", body) == {"model": "m", "prompt": "x", "max_tokens": 1, "stream": False, "n": 1}
     assert prefill_body("/v1/chat/completions", {"max_completion_tokens": 9})["max_tokens"] == 1
     assert prefill_body("/v1/responses", {"max_output_tokens": 9}) == {"max_output_tokens": 1, "stream": False}
-    pool = Pool(["a", "b", "c"])
-    assert [pool.pick().url for _ in range(3)] == ["a", "b", "c"]  # ties in turn
-    pool.upstreams[0].inflight = pool.upstreams[2].inflight = 2
-    assert {pool.pick().url for _ in range(3)} == {"b"}  # least loaded
+    pool = ReplicaSet(["a", "b", "c"])
+    assert [pool.least_loaded().url for _ in range(3)] == ["a", "b", "c"]  # ties in turn
+    pool.replicas[0].inflight = pool.replicas[2].inflight = 2
+    assert {pool.least_loaded().url for _ in range(3)} == {"b"}  # least loaded
+    pool.mark_down(pool.replicas[1], "test")
+    assert {pool.least_loaded().url for _ in range(4)} == {"a", "c"}  # a down replica is skipped
 
 
 def test_proxy_flow_and_fallbacks():

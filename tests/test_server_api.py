@@ -391,6 +391,25 @@ def test_metrics(oai, srv):
     assert 0 < _total(after, "plinth:prefix_cache_hit_rate") <= 1
     ok = [v for (n, labels), v in after.items() if n == "plinth:http_requests_total" and ("status", "200") in labels]
     assert sum(ok) >= 3
+    # vLLM's names beside plinth's (llm-d's scorers read these), same values, vLLM's labels
+    for plinth_name, vllm_name in [
+        ("plinth:prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("plinth:generation_tokens_total", "vllm:generation_tokens_total"),
+        ("plinth:request_success_total", "vllm:request_success_total"),
+        ("plinth:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+        ("plinth:e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
+        ("plinth:time_per_output_token_seconds_count", "vllm:request_time_per_output_token_seconds_count"),
+        ("plinth:inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_count"),
+        ("plinth:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+        ("plinth:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+        ("plinth:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+        ("plinth:num_requests_waiting", "vllm:num_requests_waiting"),
+        ("plinth:num_requests_running", "vllm:num_requests_running"),
+    ]:
+        assert any(n == vllm_name for n, _ in after), vllm_name
+        assert _total(after, vllm_name) == _total(after, plinth_name), vllm_name
+    assert all(dict(labels).get("engine") == "0" and dict(labels).get("model_name") for (n, labels) in after if n.startswith("vllm:"))
+    assert _total(after, "vllm:prefix_cache_queries_total") > 0
 
 
 def test_tokenize_detokenize_version_health(srv):

@@ -6,8 +6,8 @@ import threading
 import time
 
 import pytest
+from plinth.api import KVConnector
 from plinth.engine.sampling_params import SamplingParams
-from plinth.hookspecs import KVConnector
 from toy_engine import reference, run_all, toy_engine
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -8,10 +8,19 @@ import inspect
 from typing import Any
 
 import pytest
-from plinth.api import BASE_OPS, OP_NAMES, OP_SIGNATURES, Backend, BackendDescriptor, ModelConfig, ModelLoader, hookimpl
+from plinth.api import (
+    BASE_OPS,
+    OP_NAMES,
+    OP_SIGNATURES,
+    Backend,
+    BackendDescriptor,
+    ModelConfig,
+    ModelLoader,
+    SelectionContext,
+    hookimpl,
+)
 from plinth.engine.startup import check_required_ops, resolve_ops
 from plinth.errors import PluginError
-from plinth.hookspecs import SelectionContext
 from plugin_fakes import impl_module, plugin_module, registry_of
 
 

@@ -140,3 +140,83 @@ def test_a_large_vocabulary_tail_keeps_its_mass_and_impossible_tokens_stay_impos
     assert abs(head - 1000) < 4 * math.sqrt(2000 * 0.25)  # 4 sigma
     assert 0 not in draws and vocab - 1 not in draws
     assert len(set(draws)) > 900  # the tail is really sampled, not collapsed onto a few ids
+
+
+def _reference_probs(logits, p):
+    """One row's sampling distribution by the definitions, with a full sort."""
+    x = logits / p.temperature
+    if p.top_k > 0:
+        x = x.masked_fill(x < x.topk(min(p.top_k, x.numel())).values[-1], float("-inf"))
+    probs = torch.softmax(x, -1)
+    if p.top_p < 1:
+        s = probs.sort(descending=True).values
+        least = s[(s.cumsum(-1) - s) <= p.top_p].min()
+        probs = probs.masked_fill(probs < least, 0.0)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs
+
+
+@pytest.mark.parametrize("bins", [1, 7, 2048, 100_000])
+def test_batched_filters_equal_the_per_row_definitions(monkeypatch, bins):
+    # sharp and flat rows; with 1 bin top-p sorts nearly the whole row
+    from plinth.engine import sampler as mod
+
+    monkeypatch.setattr(mod, "TOP_P_BINS", bins)
+    torch.manual_seed(4)
+    logits = torch.randn(6, 3000) * torch.tensor([[0.3], [1.0], [3.0], [6.0], [1.0], [2.0]])
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_p=0.5, top_k=40),
+        SamplingParams(temperature=1.0, top_k=7),
+        SamplingParams(temperature=0.9, top_p=0.95, min_p=0.05),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_p=0.3),
+    ]
+    rows = [_row(p) for p in params]
+    got = mod.filtered_probs(logits, rows, list(range(6)))
+    for r, p in enumerate(params):
+        want = _reference_probs(logits[r], p)
+        assert torch.equal(got[r] > 0, want > 0), r
+        assert torch.allclose(got[r], want, atol=1e-7), r
+
+
+def test_batched_penalties_equal_the_per_row_definitions():
+    torch.manual_seed(5)
+    vocab = 64
+    logits = torch.randn(4, vocab) * 3
+    specs = [
+        (SamplingParams(temperature=0, repetition_penalty=1.7), [1, 2, 2, 70], [3, 3, 9]),
+        (SamplingParams(temperature=0, frequency_penalty=0.4, presence_penalty=-0.3), [5], [6, 6, 6, 8]),
+        (SamplingParams(temperature=0), [1], [2]),
+        (SamplingParams(temperature=0, repetition_penalty=0.6, frequency_penalty=1.1), [4, 9], [9, 63, 63]),
+    ]
+    rows = [_row(p, prompt=pr, out=o) for p, pr, o in specs]
+    from plinth.engine.sampler import process_logits
+
+    got = process_logits(logits, rows)
+    for r, (p, pr, o) in enumerate(specs):
+        want = logits[r].clone()
+        for t in {t for t in (*pr, *o) if t < vocab}:
+            if p.repetition_penalty != 1:
+                want[t] = want[t] / p.repetition_penalty if want[t] > 0 else want[t] * p.repetition_penalty
+        for t in set(o):
+            want[t] -= p.frequency_penalty * o.count(t) + p.presence_penalty
+        assert torch.allclose(got[r], want, atol=1e-6), r
+
+
+def test_a_seeded_row_ignores_its_neighbours_under_every_processor():
+    torch.manual_seed(6)
+    logits = torch.randn(5, 400) * 2
+    mine = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.2, logprobs=2, seed=3)
+    others = [
+        _row(SamplingParams(temperature=0)),
+        _row(SamplingParams(temperature=1.2, top_p=0.5), out=[1, 2]),
+        _row(SamplingParams(temperature=0.6, presence_penalty=1.0, logit_bias={5: 3.0}), out=[7]),
+        _row(SamplingParams(temperature=1.0, min_p=0.1, seed=9), make_generator(9)),
+    ]
+    s = Sampler()
+    alone = s(logits[2:3], [_row(mine, make_generator(3), prompt=[4], out=[5])])
+    batched = s(logits, [*others[:2], _row(mine, make_generator(3), prompt=[4], out=[5]), *others[2:]])
+    assert batched[0][2] == alone[0][0]
+    assert batched[1][2] == alone[1][0]

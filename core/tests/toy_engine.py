@@ -12,12 +12,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from plinth.api import ModelConfig
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.engine import LLMEngine
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.scheduler import Scheduler
-from plinth.hookspecs import ModelConfig
 
 VOCAB = 97
 EOS = 0
@@ -116,8 +116,8 @@ def toy_engine(
     )
     kv = KVCacheManager(BlockPool(num_pages, page_size, enable_caching=caching), copy_pages=runner.copy_pages)
     if connector is not None:
+        from plinth.api import KVLayout
         from plinth.engine.kv_transfer import HEADER_BYTES, KVTransfer
-        from plinth.hookspecs import KVLayout
 
         pb = runner.page_bytes()
         layout = KVLayout(model_id="toy", fingerprint=f"toy-{page_size}", page_size=page_size, page_bytes=pb, value_bytes=HEADER_BYTES + pb)

@@ -1,9 +1,9 @@
-"""The stable names a plugin may import. Plugins import from here (and from
-``plinth.hookspecs``), never from core internals; anything not listed here may
-change without notice."""
+"""The stable names a plugin may import. Plugins import from here (the
+contract, ``plinth.contract``, is re-exported) and ``plinth.testing``'s
+public names, never from core internals; anything not listed here may change
+without notice."""
 
-from plinth.errors import ConfigError, PlinthError, PluginError
-from plinth.hookspecs import (
+from plinth.contract import (
     BASE_OPS,
     FUSED_OPS,
     OP_NAMES,
@@ -13,37 +13,51 @@ from plinth.hookspecs import (
     Accelerator,
     AcceleratorDescriptor,
     AcceleratorInfo,
+    AllocateKVCacheOp,
     AllToAll,
     AttentionMetadata,
+    AttentionOp,
     Backend,
     BackendDescriptor,
     CausalLM,
+    CopyPagesOp,
     DispatchedTokens,
     DraftRunner,
+    FusedMoEOp,
     KVConnector,
     KVConnectorDescriptor,
     KVLayout,
+    LinearOp,
     LoadContext,
     ModelConfig,
     ModelDescriptor,
     ModelLoader,
     ModelSource,
+    PackLinearOp,
     PlannedLayout,
+    PluginDescriptor,
+    PluginImpl,
+    PrepareAttentionOp,
     ProposeItem,
     Proposer,
     ProposerContext,
     ProposerDescriptor,
+    QKVAttentionOp,
     QuantizedWeight,
     ReasoningParse,
     ReasoningParser,
     ReasoningParserDescriptor,
+    RmsNormOp,
+    RotaryOp,
     SelectionContext,
+    SiluAndMulOp,
     ToolCallItem,
     ToolParse,
     ToolParser,
     ToolParserDescriptor,
-    hookimpl,
 )
+from plinth.errors import ConfigError, PlinthError, PluginError
+from plinth.hookspecs import hookimpl
 from plinth.parsing import (
     INVALID,
     JsonCallView,
@@ -91,6 +105,19 @@ __all__ = [
     "BackendDescriptor",
     "CausalLM",
     "ConfigError",
+    "AllocateKVCacheOp",
+    "AttentionOp",
+    "CopyPagesOp",
+    "FusedMoEOp",
+    "LinearOp",
+    "PackLinearOp",
+    "PluginDescriptor",
+    "PluginImpl",
+    "PrepareAttentionOp",
+    "QKVAttentionOp",
+    "RmsNormOp",
+    "RotaryOp",
+    "SiluAndMulOp",
     "DispatchedTokens",
     "DraftRunner",
     "GGUFFile",

@@ -57,6 +57,14 @@ def add_plugin_options(parser: argparse.ArgumentParser, registry: PluginRegistry
         'kv_both|kv_producer|kv_consumer, "kv_connector_extra_config": {...}}\' (merged under --kv-connector-config)',
     )
     group.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help='publish KV-cache events as vLLM does (for llm-d and `platform router`): \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\'; '
+        '"array_like": true for the positional layout of vLLM before 0.32 and llm-d\'s indexer',
+    )
+    group.add_argument(
         "--num-speculative-tokens", type=int, default=None, metavar="K", help="most tokens proposed per sequence and step (default 4)"
     )
     group.add_argument("--speculative-model", default=None, metavar="PATH", help="the draft model (--speculative-method draft)")
@@ -138,13 +146,14 @@ def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "model", "device", "backend", "a2a", "kv_connector", "dtype", "dequantize", "page_size", "num_pages", "kv_cache_memory",
         "gpu_memory_utilization",
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep", "seed",
-        "kv_connector_config", "kv_transfer_config",
+        "kv_connector_config", "kv_transfer_config", "kv_events_config",
         "speculative_method", "num_speculative_tokens", "speculative_model",
     }
     known |= {"dp", "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     kwargs.pop("kv_transfer_config", None)
     kwargs["kv_connector_config"] = kv_config
+    kwargs["kv_events_config"] = _json_option(args, "kv_events_config")
     kwargs["plugin_options"] = {k: v for k, v in vars(args).items() if k not in known and not k.startswith("_")}
     return kwargs
 
@@ -181,7 +190,7 @@ def _unsupported_ops(registry: PluginRegistry, row: dict[str, Any], ctx: Any) ->
 def _backend_context(registry: PluginRegistry, name: str) -> Any:
     """The context backends are judged in by `platform plugins`: the
     accelerator ``--device`` takes (its instruction sets, its default dtype)."""
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import SelectionContext
 
     try:
         accelerator = registry.get("accelerator", name).load()()
@@ -203,7 +212,7 @@ def resolve_choices(
     ``PluginError`` (with every candidate's reasons) when a choice fails.
     Returns category -> ``PluginEntry`` (or a string for a deferred ``auto``).
     """
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import SelectionContext
 
     ctx = SelectionContext(options=dict(options or {}))
     accel = registry.select("accelerator", choices.get("accelerator") or "auto", ctx)
@@ -315,7 +324,7 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
 
 
 def _api_version() -> str:
-    from plinth.hookspecs import PLUGIN_API_VERSION
+    from plinth.api import PLUGIN_API_VERSION
 
     return PLUGIN_API_VERSION
 
@@ -338,6 +347,10 @@ register_subcommand("serve", "plinth.cli_engine", "serve", "serve the OpenAI- an
 register_subcommand(
     "proxy", "plinth.server.proxy", "proxy", "prefill/decode disaggregation: a proxy in front of --role prefill and --role decode servers"
 )
+register_subcommand(
+    "router", "plinth.server.router", "router",
+    "one OpenAI/Anthropic front over N replicas, routed by prefix-cache affinity (their KV events), KV-cache use and queue depth",
+)  # fmt: skip
 register_subcommand("bench", "plinth.cli_engine", "bench", "benchmarks: `bench offline` (engine), `bench serve` (HTTP), `bench a2a` (MoE all-to-all)")
 
 

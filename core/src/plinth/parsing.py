@@ -1,6 +1,6 @@
 """Helpers for tool-call and reasoning parsers (exported through ``plinth.api``).
 
-Parsers are pure functions of the text so far (see ``plinth.hookspecs.ToolParser``):
+Parsers are pure functions of the text so far (see ``plinth.api.ToolParser``):
 these helpers read JSON that may still be arriving, without ever raising.
 """
 

@@ -30,15 +30,16 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from plinth import hookspecs
-from plinth.errors import PluginError
-from plinth.hookspecs import (
-    ENTRY_POINT_GROUP,
+from plinth.contract import (
+    DESCRIPTOR_TYPES,
     IMPL_BASES,
     PLUGIN_API_VERSION,
-    REGISTRATION_HOOKS,
     PluginDescriptor,
     SelectionContext,
+    descriptor_fields,
 )
+from plinth.errors import PluginError
+from plinth.hookspecs import ENTRY_POINT_GROUP, REGISTRATION_HOOKS
 
 log = logging.getLogger("plinth.plugins")
 
@@ -136,7 +137,7 @@ class PluginEntry:
         return reasons
 
     def as_dict(self) -> dict[str, Any]:
-        d = hookspecs.descriptor_fields(self.descriptor)
+        d = descriptor_fields(self.descriptor)
         d.update(
             distribution=self.distribution,
             version=self.version,
@@ -265,7 +266,7 @@ class PluginRegistry:
     def _collect(self, allow_p: list[str], block_p: list[str]) -> None:
         registered = [i for i in self.entry_points if i.status == OK]
         for category, hook_name in REGISTRATION_HOOKS.items():
-            expected = hookspecs.DESCRIPTOR_TYPES[category]
+            expected = DESCRIPTOR_TYPES[category]
             for info in registered:
                 if info.status != OK:
                     continue
@@ -425,7 +426,7 @@ class PluginRegistry:
         for category in CATEGORIES:
             for e in sorted(self.entries[category], key=lambda e: (e.name, e.distribution)):
                 cctx = contexts.get(category, ctx)
-                if e.status == OK:
+                if e.status in (OK, UNAVAILABLE):  # an earlier report may have judged it in another context
                     e.evaluate(cctx)
                 row = e.as_dict()
                 if (category, e.name) in dups:

@@ -276,7 +276,7 @@ class GGUFFile:
         import torch
         from gguf import GGML_QUANT_SIZES
 
-        from plinth.hookspecs import QuantizedWeight
+        from plinth.contract import QuantizedWeight
 
         if name not in self._tensors:
             raise ConfigError(f"{self.path}: no tensor {name!r}")

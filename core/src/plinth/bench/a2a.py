@@ -131,8 +131,7 @@ def _rank(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from plinth.api import PlannedLayout
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import PlannedLayout, SelectionContext
     from plinth.testing.a2a import _expected, _experts
 
     registry = PluginRegistry.discover(allow=plan["allow"], block=plan["block"])
@@ -290,8 +289,8 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
+    from plinth.api import SelectionContext
     from plinth.errors import PlinthError
-    from plinth.hookspecs import SelectionContext
     from plinth.testing.distributed import run_ranks
 
     if args.ranks < 1:

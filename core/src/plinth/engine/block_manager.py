@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from plinth.errors import PlinthError
 
@@ -58,6 +58,8 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # hash -> page
         # free pages in eviction order: front is taken first
         self.free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
+        #: the KV-event sink (``plinth.engine.kv_events.KVEventRecorder``), or None
+        self.events: Any = None
         # prefix-cache statistics, in tokens
         self.queries = 0
         self.hits = 0
@@ -78,15 +80,19 @@ class BlockPool:
         if n > len(self.free):
             raise OutOfPages(f"asked for {n} pages, {len(self.free)} free")
         pages = []
+        evicted = []
         for _ in range(n):
             page, _ = self.free.popitem(last=False)
             h = self.page_hash[page]
             if h is not None:  # evict its cached content
                 if self.cached.get(h) == page:
                     del self.cached[h]
+                    evicted.append(h)
                 self.page_hash[page] = None
             self.ref_count[page] = 1
             pages.append(page)
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
         return pages
 
     def share(self, pages: Iterable[int]) -> None:
@@ -130,20 +136,31 @@ class BlockPool:
     def contains(self, h: int) -> bool:
         return h in self.cached
 
-    def register(self, page: int, h: int) -> None:
-        """Mark ``page`` (now full and computed) as holding the page hashed ``h``."""
+    def register(self, page: int, h: int) -> bool:
+        """Mark ``page`` (now full and computed) as holding the page hashed
+        ``h``; True when that hash entered the cache (it was not there)."""
         if not self.enable_caching or self.page_hash[page] is not None:
-            return
-        if h not in self.cached:
-            self.cached[h] = page
-            self.page_hash[page] = h
+            return False
+        if h in self.cached:
+            return False
+        self.cached[h] = page
+        self.page_hash[page] = h
+        return True
 
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
     def reset_cache(self) -> None:
         """Forget every cached page that nobody holds."""
+        dropped = []
         for h, p in list(self.cached.items()):
             if self.ref_count[p] == 0:
                 del self.cached[h]
                 self.page_hash[p] = None
+                dropped.append(h)
+        if self.events is not None and dropped:
+            # vLLM reports a reset as AllBlocksCleared; pages still held stay cached here
+            if self.cached:
+                self.events.removed(dropped)
+            else:
+                self.events.cleared()

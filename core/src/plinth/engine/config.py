@@ -54,6 +54,8 @@ class EngineConfig:
     dist_timeout: float = 10.0
     kv_connector: str | None = None
     kv_connector_config: Mapping[str, Any] | None = None
+    #: KV-cache events in vLLM's format (``--kv-events-config``: ``plinth.engine.kv_events``)
+    kv_events_config: Mapping[str, Any] | None = None
     plugin_options: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     #: requests allowed to wait before new ones are refused (HTTP 503)
@@ -80,6 +82,10 @@ class EngineConfig:
             raise ConfigError("dist_timeout must be > 0")
         if self.speculative_method in ("auto", "none", ""):
             self.speculative_method = None  # speculation is off unless a method is named
+        if self.kv_events_config is not None:
+            from plinth.engine.kv_events import KVEventsConfig
+
+            KVEventsConfig.from_mapping(self.kv_events_config)  # unknown fields fail here, before the model loads
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
 

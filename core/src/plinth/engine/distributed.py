@@ -40,10 +40,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from plinth.api import AttentionMetadata, LoadContext, SelectionContext
 from plinth.engine.config import EngineConfig
+from plinth.engine.kv_events import build_recorder
 from plinth.engine.parallel import ParallelGroups, ParallelLayout, init_groups
 from plinth.errors import ConfigError, PlinthError, PluginError
-from plinth.hookspecs import AttentionMetadata, LoadContext, SelectionContext
 
 log = logging.getLogger("plinth.distributed")
 
@@ -653,6 +654,8 @@ class DistributedEngine:
             finally:
                 self._lock.release()
         self._stop_workers(kill=self.failure is not None)
+        for e in self.engines:
+            e.kv.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         try:
@@ -724,6 +727,7 @@ def build_distributed_engine(config: EngineConfig, registry: Any = None) -> Dist
             hash_seed=_hash_seed(setup.source, setup.model_cfg),
             copy_pages=gr.copy_pages,
         )
+        kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size, dp_rank=d)
         sched = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
         engines.append(
             LLMEngine(runner=gr, tokenizer=setup.tokenizer, model_config=setup.model_cfg, scheduler=sched,

@@ -67,6 +67,10 @@ class LLMEngine:
 
         return build_engine(config, registry)
 
+    def close(self) -> None:
+        """Stop what the engine started besides the model (the KV-event publisher)."""
+        self.kv.close()
+
     # ---- requests ------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -263,10 +267,9 @@ class LLMEngine:
             seq.spec_tokens = seq.spec_tokens[: max(0, n - seq.remaining)] if n else []
 
     def _verify(self, batch: ScheduledBatch, spec_at: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> list[Any]:
+        verified = self.spec.verify([(seq, first) for seq, _, first in spec_at], logits, self._sample_row)
         out = []
-        for seq, i, first in spec_at:
-            n = batch.num_tokens[i]
-            v = self.spec.verify(seq, logits[first : first + n], self._sample_row)
+        for (seq, i, first), v in zip(spec_at, verified):
             seq.spec_tokens = []
             if self.spec.wants_hidden:  # the row behind the token the target added itself
                 self.spec.hidden[seq.seq_id] = self.runner.last_hidden[first + v.accepted]

@@ -135,8 +135,8 @@ class KVCacheManager:
         pages = self.pool.allocate(n)
         self.connector.write_pages(pages, payloads[:n])
         hashes = seq.page_hashes[first : first + n]
-        for p, h in zip(pages, hashes):
-            self.pool.register(p, h)
+        new = [j for j, (p, h) in enumerate(zip(pages, hashes), first) if self.pool.register(p, h)]
+        self._report_stored(seq, new)
         self.connector.remember(hashes)
         return pages
 
@@ -214,17 +214,48 @@ class KVCacheManager:
             seq.page_hashes = hash_pages(seq.token_ids[: after * ps], ps, seed=self.hash_seed, start=seq.page_hashes)
         pages = self._pages[seq.seq_id]
         done = []
+        new = []
         for j in range(before, after):
-            self.pool.register(pages[j], seq.page_hashes[j])
+            if self.pool.register(pages[j], seq.page_hashes[j]):
+                new.append(j)
             done.append((pages[j], seq.page_hashes[j]))
+        self._report_stored(seq, new)
         if self.connector is not None:
             self.connector.pages_computed(done)
         return done
 
+    def _report_stored(self, seq: "Seq", indices: list[int]) -> None:
+        """KV events for ``seq``'s pages ``indices`` (ascending) that entered
+        the prefix cache: one ``BlockStored`` per run of consecutive pages,
+        its parent the page before the run (None for the first page)."""
+        events = self.pool.events
+        if events is None or not indices:
+            return
+        ps = self.page_size
+        runs: list[list[int]] = []
+        for j in indices:
+            if runs and runs[-1][-1] == j - 1:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        for run in runs:
+            first, last = run[0], run[-1]
+            parent = seq.page_hashes[first - 1] if first else None
+            events.stored(seq.page_hashes[first : last + 1], parent, seq.token_ids[first * ps : (last + 1) * ps])
+
     def end_step(self) -> None:
-        """After a step's forward: hand the pages that became full to the connector."""
+        """After a step's forward: hand the pages that became full to the
+        connector, publish the step's KV events."""
         if self.connector is not None:
             self.connector.end_step()
+        if self.pool.events is not None:
+            self.pool.events.flush()
+
+    def close(self) -> None:
+        """Stop the KV-event publisher (the engine is shutting down)."""
+        if self.pool.events is not None:
+            self.pool.events.close()
+            self.pool.events = None
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()

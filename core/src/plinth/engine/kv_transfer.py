@@ -1,6 +1,6 @@
 """The engine side of a KV connector: every store call off the step loop.
 
-The connector plugin (``plinth.hookspecs.KVConnector``) makes plain blocking
+The connector plugin (``plinth.api.KVConnector``) makes plain blocking
 calls. This module runs them on its own threads and never lets the step loop
 wait on them:
 
@@ -38,8 +38,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from plinth.api import KVConnector, KVLayout
 from plinth.errors import ConfigError, PlinthError
-from plinth.hookspecs import KVConnector, KVLayout
 
 log = logging.getLogger("plinth.kv_connector")
 
@@ -217,6 +217,8 @@ class KVTransfer:
         self._save_batch: list[tuple[int, int]] = []  # (page, hash) to save after this step
         self._known: OrderedDict[int, None] = OrderedDict()  # hashes the store holds (saved or loaded)
         self._known_cap = 1 << 16
+        self._events: Any = None  # the KV-event recorder, with --kv-events-config
+        self._key_hash: OrderedDict[str, int] = OrderedDict()  # the keys this engine saved -> page hashes
         self._lock = threading.Lock()
         #: each worker thread's staging area, registered with the connector once and reused
         self._arenas = threading.local()
@@ -359,6 +361,23 @@ class KVTransfer:
         with self._lock:
             self._known.clear()
 
+    def attach_events(self, recorder: Any) -> None:
+        """Publish the store's tier changes as KV events (``KVEventRecorder``):
+        ``BlockStored`` without tokens (a location update, as vLLM's offloading
+        reports one) or ``BlockRemoved``, with the tier's medium."""
+        self._events = recorder
+        self.connector.tier_listener = self._tier_changed
+
+    def _tier_changed(self, kind: str, keys: Sequence[str], medium: str) -> None:
+        with self._lock:
+            hashes = [h for h in (self._key_hash.get(k) for k in keys) if h is not None]
+        if not hashes:
+            return
+        if kind == "stored":
+            self._events.stored(hashes, None, [], medium=medium)
+        elif kind == "removed":
+            self._events.removed(hashes, medium=medium)
+
     def remember(self, hashes: Sequence[int]) -> None:
         """Hashes the store holds (saved or loaded): not saved again."""
         with self._lock:
@@ -405,6 +424,13 @@ class KVTransfer:
         try:
             staging = self._staging(len(hashes))
             keys = [make_key(self.layout, h) for h in hashes]
+            if self._events is not None:
+                with self._lock:
+                    for key, h in zip(keys, hashes):
+                        self._key_hash[key] = h
+                        self._key_hash.move_to_end(key)
+                    while len(self._key_hash) > self._known_cap:
+                        self._key_hash.popitem(last=False)
             for i, key in enumerate(keys):
                 encode_value(self.layout, key, data[i], staging[i])
             self.connector.save(keys, [staging[i] for i in range(len(keys))])

@@ -9,8 +9,8 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
+from plinth.api import AttentionMetadata, ModelConfig
 from plinth.engine.scheduler import ScheduledBatch
-from plinth.hookspecs import AttentionMetadata, ModelConfig
 
 
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: int = 1) -> int:

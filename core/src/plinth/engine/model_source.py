@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from plinth.api import ModelSource
 from plinth.errors import ConfigError
-from plinth.hookspecs import ModelSource
 
 #: The default model: SmolLM2-135M-Instruct as GGUF, shipped inside a PyPI
 #: wheel so that a fresh machine gets it from the package registry alone.

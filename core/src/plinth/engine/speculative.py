@@ -46,12 +46,12 @@ from typing import Sequence as Seq
 
 import torch
 
+from plinth.api import ProposeItem
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.outputs import TokenLogprobs
-from plinth.engine.sampler import SampleRow, _logprob_entries, draw, filtered_probs, process_logits
+from plinth.engine.sampler import SampleRow, draw, filtered_probs, logprob_entries, process_logits
 from plinth.engine.scheduler import ScheduledBatch
-from plinth.hookspecs import ProposeItem
 
 log = logging.getLogger("plinth.speculative")
 
@@ -239,6 +239,24 @@ class Verified:
     proposed: int
 
 
+def _uniforms(generator: torch.Generator | None, n: int) -> torch.Tensor:
+    """n acceptance uniforms of one sequence (its own generator when seeded)."""
+    return torch.rand(n, dtype=torch.float64, generator=generator)
+
+
+class _FixedMask:
+    """A grammar's mask at one position, taken before the grammar moves on
+    (the rows of all positions are processed together)."""
+
+    def __init__(self, grammar: Any, vocab: int, device: torch.device) -> None:
+        probe = torch.zeros(vocab, device=device)
+        grammar.mask_logits(probe)
+        self.forbidden = torch.isinf(probe)
+
+    def mask_logits(self, logits: torch.Tensor) -> None:
+        logits.masked_fill_(self.forbidden, float("-inf"))
+
+
 class SpecDecoder:
     """The engine's side of speculative decoding: asks the proposer, verifies,
     adapts k per sequence and counts."""
@@ -357,72 +375,112 @@ class SpecDecoder:
 
     # ---- after the forward -------------------------------------------------------------
 
-    def verify(self, seq: Any, logits: torch.Tensor, make_row: Callable[[Any, Seq[int], Any], SampleRow]) -> Verified:
-        """logits [1 + k, vocab]: the target's rows for the sequence's last
+    def verify(self, items: Seq[tuple[Any, int]], logits: torch.Tensor, make_row: Callable[[Any, Seq[int], Any], SampleRow]) -> list[Verified]:
+        """Every sequence of the step at once. items: (sequence, first row):
+        logits[first : first + 1 + k] are the target's rows for its last
         token and its k proposals. ``make_row(seq, extra_output, grammar)``
-        is the engine's SampleRow for ``seq`` as if ``extra_output`` had been
-        appended, masked by ``grammar``."""
-        spec = seq.spec_tokens
-        k = len(spec)
-        logits = logits.float()
-        n_rows = k + 1
-        if seq.grammar is not None:
-            # the grammar's state moves with each proposal: one row at a time,
-            # on a fork, up to the first proposal it refuses (p(x) = 0 there)
-            g = seq.grammar.fork()
-            rows, parts = [], []
-            for i in range(n_rows):
-                row = make_row(seq, spec[:i], g)
-                parts.append(process_logits(logits[i : i + 1], [row]))
-                rows.append(row)
-                if i == k or not g.accept(spec[i]):
-                    break
-            processed = torch.cat(parts)
-            n_rows = len(rows)
-            # the mask is already applied; the rows must not touch the fork again
-            rows = [SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, None, r.banned) for r in rows]
-        else:
-            rows = [make_row(seq, spec[:i], None) for i in range(n_rows)]
-            processed = process_logits(logits, rows)
+        is the engine's SampleRow for ``seq`` as if ``extra_output`` had
+        been appended, masked by ``grammar``.
 
-        params = seq.params
-        out: list[int] = []
-        if params.greedy:
-            target = processed.argmax(dim=-1).tolist()
-            a = 0
-            while a < min(k, n_rows) and spec[a] == target[a]:
-                a += 1
-            # a < n_rows: the target's own token follows (the correction, or the
-            # bonus after all k); otherwise the grammar refused what came last
-            out = spec[:a] + ([target[a]] if a < n_rows else [])
-        else:
-            probs = filtered_probs(processed, rows, list(range(n_rows)))
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-            g = seq.generator
-            a = 0
-            while a < n_rows:
-                if a == k:  # every proposal passed: the bonus token, drawn from p
-                    out.append(int(draw(probs[a : a + 1], rows, [a])[0]))
-                    break
-                x = spec[a]
-                u = float(torch.rand(1, generator=g)) if g is not None else float(torch.rand(1))
-                if u < float(probs[a, x]):
-                    out.append(x)
-                    a += 1
-                    if a == n_rows:  # the grammar refused the next proposal: a correction follows next step
+        One pass of the sampler's processors over all rows, one gather of
+        the proposals' probabilities, one batched draw of the tokens the
+        target adds; acceptance is a cumulative product over positions."""
+        logits = logits.float()
+        dev = logits.device
+        rows: list[SampleRow] = []
+        at: list[int] = []  # logits row of each built row
+        starts: list[int] = []  # each sequence's first built row
+        n_rows: list[int] = []
+        for seq, first in items:
+            spec = seq.spec_tokens
+            k = len(spec)
+            starts.append(len(rows))
+            if seq.grammar is not None:
+                # the grammar's state moves with each proposal: its mask per
+                # position, on a fork, up to the first proposal it refuses (p(x) = 0 there)
+                g = seq.grammar.fork()
+                for i in range(k + 1):
+                    rows.append(make_row(seq, spec[:i], _FixedMask(g, logits.shape[-1], dev)))
+                    at.append(first + i)
+                    if i == k or not g.accept(spec[i]):
                         break
-                    continue
-                residual = probs[a : a + 1].clone()
-                residual[0, x] = 0.0  # normalize(max(0, p - q)) for a point mass q at x
-                out.append(int(draw(residual, rows, [a])[0]))
-                break
-        accepted = min(a, k)
-        lps: list[TokenLogprobs | None] = [None] * len(out)
-        if params.logprobs is not None and out:
-            raw = torch.log_softmax(logits[: len(out)], dim=-1)
-            lps = list(_logprob_entries(raw, torch.tensor(out, dtype=torch.long), params.logprobs))
-        self._count(seq, accepted, k)
-        return Verified(out, lps, accepted, k)
+            else:
+                rows.extend(make_row(seq, spec[:i], None) for i in range(k + 1))
+                at.extend(range(first, first + k + 1))
+            n_rows.append(len(rows) - starts[-1])
+        processed = process_logits(logits[torch.tensor(at, device=dev)], rows)
+        targets = processed.argmax(dim=-1)
+
+        # the proposals judged per sequence (a grammar may refuse one early), padded to one width
+        width = max(min(len(seq.spec_tokens), n) for (seq, _), n in zip(items, n_rows))
+        spec_t = torch.zeros(len(items), max(width, 1), dtype=torch.long)
+        judged = torch.zeros(len(items), max(width, 1), dtype=torch.bool)
+        for j, ((seq, _), n) in enumerate(zip(items, n_rows)):
+            m = min(len(seq.spec_tokens), n)
+            spec_t[j, :m] = torch.tensor(seq.spec_tokens[:m], dtype=torch.long)
+            judged[j, :m] = True
+        spec_t, judged = spec_t.to(dev), judged.to(dev)
+        pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(spec_t.shape[1], device=dev)
+        pos = torch.where(judged, pos, 0)
+
+        greedy = torch.tensor([seq.params.greedy for seq, _ in items], device=dev).unsqueeze(1)
+        passed = targets[pos] == spec_t  # greedy: the proposal is the processed argmax
+        rand = [j for j, (seq, _) in enumerate(items) if not seq.params.greedy]
+        probs = None
+        if rand:
+            # sampled: accept x with probability p(x) (the proposal is a point mass q)
+            rand_rows = [r for j in rand for r in range(starts[j], starts[j] + n_rows[j])]
+            probs = torch.zeros(len(rows), logits.shape[-1], dtype=torch.float32, device=dev)
+            filtered = filtered_probs(processed, rows, rand_rows)
+            probs[torch.tensor(rand_rows, device=dev)] = filtered / filtered.sum(dim=-1, keepdim=True)
+            u = torch.ones(spec_t.shape, dtype=torch.float64)
+            for j in rand:  # as many as it judges: its stream must not depend on the batch
+                m = min(len(items[j][0].spec_tokens), n_rows[j])
+                u[j, :m] = _uniforms(items[j][0].generator, m)
+            u = u.to(dev)
+            passed = torch.where(greedy, passed, u < probs[pos, spec_t])
+        accepted = (passed & judged).long().cumprod(dim=1).sum(dim=1).tolist()
+        target_list = targets.tolist()
+
+        # the target's own token: the correction at the first rejection, or the
+        # bonus after all k; none when the grammar refused what came last
+        out: list[list[int]] = []
+        draws: list[tuple[int, int, int | None]] = []  # (sequence, row, proposal to remove)
+        for j, (seq, _) in enumerate(items):
+            a, spec = accepted[j], seq.spec_tokens
+            out.append(spec[:a])
+            if a == n_rows[j]:
+                continue
+            if seq.params.greedy:
+                out[j].append(target_list[starts[j] + a])
+            else:
+                draws.append((j, starts[j] + a, spec[a] if a < len(spec) else None))
+        if draws:
+            final = probs[torch.tensor([r for _, r, _ in draws], device=dev)]
+            removed = [(i, x) for i, (_, _, x) in enumerate(draws) if x is not None]
+            if removed:  # normalize(max(0, p - q)) for a point mass q at x
+                ri, rx = zip(*removed)
+                final[torch.tensor(ri, device=dev), torch.tensor(rx, device=dev)] = 0.0
+            for (j, _, _), t in zip(draws, draw(final, [items[j][0].generator for j, _, _ in draws]).tolist()):
+                out[j].append(t)
+
+        lp_of = [j for j, (seq, _) in enumerate(items) if seq.params.logprobs is not None and out[j]]
+        lps: list[list[TokenLogprobs | None]] = [[None] * len(o) for o in out]
+        if lp_of:
+            lp_rows = [items[j][1] + i for j in lp_of for i in range(len(out[j]))]
+            raw = torch.log_softmax(logits[torch.tensor(lp_rows, device=dev)], dim=-1)
+            ids = torch.tensor([t for j in lp_of for t in out[j]], dtype=torch.long)
+            entries = iter(logprob_entries(raw, ids, [items[j][0].params.logprobs for j in lp_of for _ in out[j]]))
+            for j in lp_of:
+                lps[j] = [next(entries) for _ in out[j]]
+
+        verified = []
+        for j, (seq, _) in enumerate(items):
+            k = len(seq.spec_tokens)
+            a = min(accepted[j], k)
+            self._count(seq, a, k)
+            verified.append(Verified(out[j], lps[j], a, k))
+        return verified
 
     def _count(self, seq: Any, accepted: int, proposed: int) -> None:
         self.num_verified += 1

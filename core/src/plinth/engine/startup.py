@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 
-from plinth.api import PlannedLayout
+from plinth.api import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, PlannedLayout, SelectionContext
 from plinth.engine.block_manager import BlockPool
 from plinth.engine.config import EngineConfig
 from plinth.engine.engine import LLMEngine
 from plinth.engine.kv_cache_manager import KVCacheManager
+from plinth.engine.kv_events import build_recorder
 from plinth.engine.kv_transfer import build_kv_transfer, connector_options
 from plinth.engine.model_runner import ModelRunner, kv_page_bytes
 from plinth.engine.model_source import locate_model
 from plinth.engine.scheduler import Scheduler
 from plinth.engine.step_plan import plan_step
 from plinth.errors import ConfigError, PluginError
-from plinth.hookspecs import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, SelectionContext
 from plinth.plugins import PluginEntry, PluginRegistry
 
 log = logging.getLogger("plinth.startup")
@@ -322,11 +322,15 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     # KV connector is attached: the probes' pages are never saved anywhere)
     step_plan = plan_step(config, runner=runner, kv=kv, max_model_len=max_model_len)
     log.info("%s", step_plan.log_line())
+    # after the probes: their pages are no one's prefix
+    kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size)
     connector_name, connector_opts = connector_options(config.kv_connector, config.kv_connector_config)
     if connector_name:
         kv.connector = build_kv_transfer(
             registry, connector_name, connector_opts, ctx, runner, model_id=f"{_hash_seed(source, model_cfg):016x}"
         )
+        if kv.pool.events is not None:  # the store's tiers report with their medium
+            kv.connector.attach_events(kv.pool.events)
     scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
     components = Components(
         config=config,
@@ -393,8 +397,8 @@ def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionCon
 def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: SelectionContext, model_cfg: ModelConfig, tokenizer: Any, draft: dict[str, Any]) -> Any:
     """The proposer named by ``--speculative-method``, validated with a
     ``ProposerContext`` (a named plugin fails with every candidate's reasons)."""
+    from plinth.api import ProposerContext
     from plinth.engine.speculative import SpecDecoder, StepCostModel
-    from plinth.hookspecs import ProposerContext
 
     k = config.num_speculative_tokens or 4
     pctx = ProposerContext(

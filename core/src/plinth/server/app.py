@@ -269,7 +269,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
-        from plinth.hookspecs import PLUGIN_API_VERSION
+        from plinth.api import PLUGIN_API_VERSION
 
         inner = getattr(engine, "engine", None)
         comps = getattr(inner, "components", None)

@@ -18,7 +18,7 @@ log = logging.getLogger("plinth.server")
 
 #: the server's own options: kept out of the engine's plugin_options
 SERVER_OPTIONS = (
-    "host", "port", "api_key", "served_model_name", "enable_metrics", "max_request_body_size",
+    "host", "port", "api_key", "served_model_name", "enable_metrics", "vllm_metric_names", "max_request_body_size",
     "max_waiting_requests", "uvicorn_log_level", "tool_call_parser", "reasoning_parser", "role",
 )  # fmt: skip
 
@@ -39,6 +39,12 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="the model name(s) clients send; the first is reported (default: the model path, or the default model's name)",
     )
     g.add_argument("--enable-metrics", action=argparse.BooleanOptionalAction, default=True, help="serve Prometheus /metrics")
+    g.add_argument(
+        "--vllm-metric-names",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also serve the metrics llm-d and vLLM dashboards read under vLLM's names (vllm:num_requests_waiting, ...)",
+    )
     g.add_argument(
         "--max-request-body-size", type=int, default=16 << 20, metavar="BYTES", help="larger request bodies get 413 (default: 16 MiB)"
     )
@@ -122,7 +128,7 @@ def check_parsers(registry: PluginRegistry, tool_call_parser: str | None, reason
     """A parser named with --tool-call-parser / --reasoning-parser must load, or
     start-up fails here with every candidate's reasons, before the model loads
     (``auto`` needs the model's chat template: it is resolved when the app is built)."""
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import SelectionContext
 
     for category, name in (("tool_parser", tool_call_parser), ("reasoning_parser", reasoning_parser)):
         if name and name not in ("auto", "none"):
@@ -168,6 +174,7 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             max_request_body_bytes=args.max_request_body_size,
             enable_metrics=args.enable_metrics,
+            vllm_metric_names=args.vllm_metric_names,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             registry=registry,

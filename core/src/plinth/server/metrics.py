@@ -1,6 +1,11 @@
 """Prometheus metrics at ``/metrics``, in a registry of the app's own.
 
-Names follow vLLM's with the ``plinth:`` prefix. Request latencies are
+Names follow vLLM's with the ``plinth:`` prefix; with ``vllm_names`` (the
+default) the ones llm-d's scorers and vLLM dashboards read are also served
+under vLLM's own names (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:time_to_first_token_seconds``, ...: ``vllm/v1/metrics/loggers.py``'s
+``PrometheusStatLogger``), same types, labelled as vLLM labels them
+(``model_name`` and ``engine``, the engine index). Request latencies are
 measured by the server as the client would see them: from the moment the
 request reached its route (after parsing) to the first output token (TTFT),
 between successive tokens (ITL), per output token after the first (TPOT)
@@ -27,14 +32,48 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
+#: plinth's engine metrics that vLLM serves too, under the same name after the prefix
+_VLLM_ENGINE = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries", "prefix_cache_hits",
+    "num_preemptions", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+})  # fmt: skip
+#: vLLM's name where it differs from plinth's
+_VLLM_RENAMED = {"time_per_output_token_seconds": "request_time_per_output_token_seconds"}
+
+
+class _Both:
+    """One bound metric child observed under plinth's name and vLLM's."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+
+    def inc(self, v: float = 1.0) -> None:
+        self.a.inc(v)
+        self.b.inc(v)
+
+    def observe(self, v: float) -> None:
+        self.a.observe(v)
+        self.b.observe(v)
+
+
 class _EngineCollector(Collector):
     """Engine gauges and counters, read at scrape time."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: Any, model_name: str, vllm_names: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.vllm_names = vllm_names
 
     def collect(self) -> Iterable[Any]:
+        for family in self._collect():
+            yield family
+            short = family.name.removeprefix("plinth:")
+            if self.vllm_names and short in _VLLM_ENGINE:
+                yield _as_vllm(family, "vllm:" + short)
+
+    def _collect(self) -> Iterable[Any]:
         try:
             s = self.engine.stats()
         except Exception:  # an engine that is shutting down still lets /metrics answer
@@ -142,9 +181,18 @@ class _EngineCollector(Collector):
             yield h
 
 
+def _as_vllm(family: Any, name: str) -> Any:
+    """A copy of a scrape-time family under vLLM's name, with vLLM's ``engine`` label."""
+    copy = type(family)(name, family.documentation, labels=[])
+    for sample in family.samples:
+        copy.samples.append(sample._replace(name=name + sample.name[len(family.name):], labels={**sample.labels, "engine": "0"}))
+    return copy
+
+
 class ServerMetrics:
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: Any, model_name: str, *, vllm_names: bool = True) -> None:
         self.model_name = model_name
+        self.vllm_names = vllm_names
         self.registry = CollectorRegistry()
         r = self.registry
         ml = ["model_name"]
@@ -178,16 +226,33 @@ class ServerMetrics:
         self.req_generation_tokens = Histogram(
             "plinth:request_generation_tokens", "Generated tokens per request.", ml, buckets=_TOKEN_COUNT_BUCKETS, registry=r
         )
-        r.register(_EngineCollector(engine, model_name))
+        r.register(_EngineCollector(engine, model_name, vllm_names))
         # bound children: no label lookups per token
-        self._prompt_tokens = self.prompt_tokens.labels(model_name)
-        self._generation_tokens = self.generation_tokens.labels(model_name)
-        self._ttft = self.ttft.labels(model_name)
-        self._tpot = self.tpot.labels(model_name)
-        self._itl = self.itl.labels(model_name)
-        self._e2e = self.e2e.labels(model_name)
-        self._req_prompt = self.req_prompt_tokens.labels(model_name)
-        self._req_gen = self.req_generation_tokens.labels(model_name)
+        self._prompt_tokens = self._bind(self.prompt_tokens)
+        self._generation_tokens = self._bind(self.generation_tokens)
+        self._ttft = self._bind(self.ttft)
+        self._tpot = self._bind(self.tpot)
+        self._itl = self._bind(self.itl)
+        self._e2e = self._bind(self.e2e)
+        self._req_prompt = self._bind(self.req_prompt_tokens)
+        self._req_gen = self._bind(self.req_generation_tokens)
+        self._vllm_success = self._twin(self.request_success) if vllm_names else None
+
+    def _twin(self, metric: Any) -> Any:
+        """``metric`` under vLLM's name, labels and (for histograms) buckets."""
+        short = metric._name.removeprefix("plinth:")
+        name = "vllm:" + _VLLM_RENAMED.get(short, short)
+        labels = ["model_name", "engine", *metric._labelnames[1:]]
+        kw: dict[str, Any] = {"registry": self.registry}
+        if isinstance(metric, Histogram):
+            kw["buckets"] = metric._upper_bounds[:-1]
+        return type(metric)(name, metric._documentation, labels, **kw)
+
+    def _bind(self, metric: Any) -> Any:
+        child = metric.labels(self.model_name)
+        if not self.vllm_names:
+            return child
+        return _Both(child, self._twin(metric).labels(self.model_name, "0"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -253,3 +318,5 @@ class RequestTracker:
         if self.first is not None and gen > 1:
             self.m._tpot.observe((now - self.first) / (gen - 1))
         self.m.request_success.labels(self.m.model_name, reason or "error").inc()
+        if self.m._vllm_success is not None:
+            self.m._vllm_success.labels(self.m.model_name, "0", reason or "error").inc()

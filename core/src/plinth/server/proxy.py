@@ -12,7 +12,9 @@ stored. The request then goes, unchanged, to a decode instance, which finds
 those pages through the connector (they count as external cached tokens) and
 computes only the rest; its answer, streamed or not, is passed to the client
 as it arrives. Instances of each kind are chosen least-loaded (requests in
-flight through this proxy), ties in turn.
+flight through this proxy), ties in turn, among the healthy ones: replica
+tracking (health polls, a failed call marking an instance down until it
+answers again) is ``plinth.server.replicas``, shared with `platform router`.
 
 A prefill instance that fails or cannot be reached costs only time: the
 decode instance then computes the prompt itself (same output). A client
@@ -22,10 +24,10 @@ error (4xx) from the prefill instance is the client's answer.
 
 import argparse
 import asyncio
-import itertools
 import logging
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
+
+from plinth.server.replicas import Replica, ReplicaSet
 
 log = logging.getLogger("plinth.proxy")
 
@@ -38,29 +40,6 @@ ROUTES = {
 }
 #: hop-by-hop headers (RFC 9110) and those httpx sets itself
 _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "accept-encoding"}
-
-
-@dataclass
-class Upstream:
-    url: str
-    inflight: int = 0
-    served: int = 0
-    failed: int = 0
-
-
-class Pool:
-    """Least requests in flight, ties broken in turn."""
-
-    def __init__(self, urls: list[str]) -> None:
-        if not urls:
-            raise ValueError("at least one URL is needed")
-        self.upstreams = [Upstream(u.rstrip("/")) for u in urls]
-        self._turn = itertools.count()
-
-    def pick(self) -> Upstream:
-        least = min(u.inflight for u in self.upstreams)
-        ties = [u for u in self.upstreams if u.inflight == least]
-        return ties[next(self._turn) % len(ties)]
 
 
 def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +62,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.background import BackgroundTask
 
-    pre, dec = Pool(prefill), Pool(decode)
+    pre, dec = ReplicaSet(prefill), ReplicaSet(decode)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     state: dict[str, Any] = {}
 
@@ -94,8 +73,20 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
 
     app = FastAPI(title="plinth proxy", docs_url=None, redoc_url=None)
 
+    def ensure_polling() -> None:
+        """The instances' health pollers, started on the first request or at start-up."""
+        if "pollers" not in state:
+            loop = asyncio.get_running_loop()
+            state["pollers"] = [loop.create_task(s.run(client())) for s in (pre, dec)]
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        ensure_polling()
+
     @app.on_event("shutdown")
     async def _close() -> None:
+        for task in state.get("pollers", ()):
+            task.cancel()
         if "client" in state:
             await state["client"].aclose()
 
@@ -104,12 +95,14 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
 
     async def run_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> Response | None:
         """None when the prefill went through (or failed on its side); a response for a client error."""
-        up = pre.pick()
+        up = pre.least_loaded()
         up.inflight += 1
         try:
             r = await client().post(up.url + path, json=prefill_body(path, body), headers=headers)
         except httpx.HTTPError as exc:
             up.failed += 1
+            if isinstance(exc, httpx.TransportError):
+                pre.mark_down(up, f"{type(exc).__name__}: {exc}")
             log.warning("prefill %s failed (%s: %s); the decode instance computes the prompt", up.url, type(exc).__name__, exc)
             return None
         finally:
@@ -124,6 +117,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
         return None
 
     async def generate(request: Request) -> Response:
+        ensure_polling()
         path = request.url.path
         try:
             body = await request.json()
@@ -135,7 +129,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
         early = await run_prefill(path, body, headers)
         if early is not None:
             return early
-        up = dec.pick()
+        up = dec.least_loaded()
         up.inflight += 1
         try:
             req = client().build_request("POST", up.url + path, json=body, headers=headers)
@@ -143,6 +137,8 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
         except httpx.HTTPError as exc:
             up.inflight -= 1
             up.failed += 1
+            if isinstance(exc, httpx.TransportError):
+                dec.mark_down(up, f"{type(exc).__name__}: {exc}")
             return JSONResponse(
                 {"error": {"message": f"decode instance {up.url} failed: {type(exc).__name__}: {exc}", "type": "server_error"}},
                 502,
@@ -172,7 +168,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        up = dec.pick()
+        up = dec.least_loaded()
         r = await client().get(up.url + "/v1/models", headers=forward_headers(request))
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
@@ -181,7 +177,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
         """ok when every instance says ok; degraded (200) when one is
         degraded or unreachable but each kind has one that answers."""
 
-        async def one(u: Upstream) -> dict[str, Any]:
+        async def one(u: Replica) -> dict[str, Any]:
             try:
                 r = await client().get(u.url + "/health", timeout=2.0)
                 doc = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -190,12 +186,12 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
                 return {"url": u.url, "status": f"unreachable: {type(exc).__name__}"}
 
         p, d = await asyncio.gather(
-            asyncio.gather(*(one(u) for u in pre.upstreams)), asyncio.gather(*(one(u) for u in dec.upstreams))
+            asyncio.gather(*(one(u) for u in pre.replicas)), asyncio.gather(*(one(u) for u in dec.replicas))
         )
         ok = all(x.get("status") == "ok" for x in [*p, *d])
         up = any(x.get("http") == 200 for x in d)
         status = "ok" if ok else "degraded" if up else "unavailable"
-        stats = {u.url: {"inflight": u.inflight, "served": u.served, "failed": u.failed} for u in [*pre.upstreams, *dec.upstreams]}
+        stats = {u.url: {"inflight": u.inflight, "served": u.served, "failed": u.failed} for u in [*pre.replicas, *dec.replicas]}
         return JSONResponse({"status": status, "prefill": list(p), "decode": list(d), "stats": stats}, 200 if up else 503)
 
     return app

@@ -37,6 +37,8 @@ class ServerSettings:
     api_key: str | None = None
     max_request_body_bytes: int = 16 << 20
     enable_metrics: bool = True
+    #: serve vLLM's metric names beside plinth's (llm-d's scorers read them)
+    vllm_metric_names: bool = True
     retry_after_s: int = 1
     #: parser names (``--tool-call-parser``, ``--reasoning-parser``): a
     #: registered name, "auto" (from the chat template) or "none"
@@ -71,7 +73,7 @@ class ServingContext:
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.model_name = settings.served_model_names[0]
-        self.metrics = ServerMetrics(engine, self.model_name) if settings.enable_metrics else None
+        self.metrics = ServerMetrics(engine, self.model_name, vllm_names=settings.vllm_metric_names) if settings.enable_metrics else None
         self._grammars: Any = None
         self._token_strs: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}

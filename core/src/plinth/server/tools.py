@@ -2,7 +2,7 @@
 how ``required`` / named tool choices are enforced, and how streamed output
 turns into reasoning, answer and tool-call deltas.
 
-The parsers are plugins (``plinth.hookspecs.ToolParser`` and
+The parsers are plugins (``plinth.api.ToolParser`` and
 ``ReasoningParser``), resolved once at start-up by name or from the chat
 template. Forcing a call (OpenAI ``required`` or a named function, Anthropic
 ``any`` or ``tool``) does not depend on the model's own format: the grammar
@@ -21,8 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from plinth.api import ReasoningParser, SelectionContext, ToolCallItem, ToolParse, ToolParser
 from plinth.errors import PluginError
-from plinth.hookspecs import ReasoningParser, SelectionContext, ToolCallItem, ToolParse, ToolParser
 from plinth.parsing import INVALID, read_json_arguments, read_json_call, skip_ws
 from plinth.server.errors import APIError
 

@@ -54,7 +54,7 @@ def a2a_rank(rank: int, world: int, name: str, seed: int = 0, device_type: str =
     import torch
     import torch.distributed as dist
 
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import SelectionContext
     from plinth.testing.registration import discover_all
 
     out: list[tuple[bool, str, str]] = []
@@ -126,7 +126,7 @@ def a2a_rank(rank: int, world: int, name: str, seed: int = 0, device_type: str =
 def check_a2a(name: str, *, worlds: tuple[int, ...] = (2, 4), backend: str | None = None, timeout: float = 180.0) -> Report:
     """``name``'s dispatch/combine round trips on ``worlds`` real processes
     (the group backend: the best available accelerator's, gloo on CPU)."""
-    from plinth.hookspecs import SelectionContext
+    from plinth.api import SelectionContext
     from plinth.testing.distributed import run_ranks
     from plinth.testing.registration import discover_all
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
 from plinth.errors import PluginError
-from plinth.hookspecs import Accelerator, AcceleratorInfo, SelectionContext
 from plinth.plugins import PluginRegistry
 from plinth.testing._report import Report
 from plinth.testing.registration import discover_all

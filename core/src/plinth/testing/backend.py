@@ -35,7 +35,7 @@ def _meta(seqs: list[tuple[int, int]], tables: list[list[int]], page_size: int, 
     """AttentionMetadata for sequences given as (cached length, new tokens)."""
     import torch
 
-    from plinth.hookspecs import AttentionMetadata
+    from plinth.api import AttentionMetadata
 
     positions, slots, qsl = [], [], [0]
     for (cached, n), pages in zip(seqs, tables):
@@ -157,13 +157,20 @@ def check_backend(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     accelerator: str = "auto",
     require_available: bool = False,
+    page_sizes: tuple[int, ...] = (16, 7),
+    sliding_window: bool = True,
 ) -> Report:
     """Every op ``name`` provides, against the reference backend's, on the
-    chosen accelerator's device (``auto``: the best available)."""
+    chosen accelerator's device (``auto``: the best available).
+
+    page_sizes: the page sizes attention is checked at (a backend whose
+    kernels allow only some, say powers of two, names those it allows and
+    refuses the others at start-up); sliding_window: whether its attention
+    takes a window (one that does not refuses such models in ``check``)."""
     import torch
 
+    from plinth.api import SelectionContext
     from plinth.engine.startup import resolve_ops
-    from plinth.hookspecs import SelectionContext
 
     report = Report(f"backend {name}")
     registry = discover_all()
@@ -189,7 +196,7 @@ def check_backend(
         report.ok(f"{dtype_name}: provides {', '.join(mine)}")
         _check_unsupported(report, entry.load(), ctx, set(mine), dtype_name)
         tol = TOLERANCE.get(dtype_name, 1e-2)
-        _check_ops(report, ops, ref, set(mine), dtype, device, tol)
+        _check_ops(report, ops, ref, set(mine), dtype, device, tol, page_sizes=page_sizes, sliding_window=sliding_window)
     return report.raise_for_problems()
 
 
@@ -212,7 +219,7 @@ def _check_unsupported(report: Report, impl: Any, ctx: Any, mine: set[str], dtyp
         report.ok(f"{dtype_name}: from the reference, with reasons: {', '.join(sorted(limits))}")
 
 
-def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, device: Any, tol: float) -> None:
+def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, device: Any, tol: float, *, page_sizes: tuple[int, ...] = (16, 7), sliding_window: bool = True) -> None:
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -245,13 +252,15 @@ def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, d
             _close(report, f"rotary q (neox={neox}, {dtype})", got[0], want[0], tol)
             _close(report, f"rotary k (neox={neox}, {dtype})", got[1], want[1], tol)
     if "attention" in mine:
-        for page_size in (16, 7):
+        for page_size in page_sizes:
             for heads in ((6, 2), (4, 4)):
                 _check_attention(report, ops, ref, dtype, device, tol, page_size=page_size, heads=heads, window=None)
-        _check_attention(report, ops, ref, dtype, device, tol, page_size=7, heads=(6, 2), window=9)
+        if sliding_window:
+            _check_attention(report, ops, ref, dtype, device, tol, page_size=page_sizes[-1], heads=(6, 2), window=9)
     if "qkv_attention" in mine:
-        for page_size in (16, 7):
+        for page_size in page_sizes:
             _check_qkv_attention(report, ops, ref, dtype, device, tol, page_size=page_size, heads=(6, 2))
+    if "fused_moe" in mine:
         _check_fused_moe(report, ops, ref, rand, g, dtype, device, tol)
 
 

@@ -89,9 +89,16 @@ class BackendConformance(PluginConformance):
 
     category: ClassVar[str] = "backend"
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+    accelerator: ClassVar[str] = "auto"
+    #: the page sizes attention is checked at, and whether with a sliding window
+    page_sizes: ClassVar[tuple[int, ...]] = (16, 7)
+    sliding_window: ClassVar[bool] = True
 
     def test_ops_match_the_reference(self) -> None:
-        report = check_backend(self.name, dtypes=self.dtypes)
+        report = check_backend(
+            self.name, dtypes=self.dtypes, accelerator=self.accelerator, page_sizes=self.page_sizes,
+            sliding_window=self.sliding_window,
+        )
         if not report.passed and report.skipped:
             _skip("; ".join(report.skipped))
 

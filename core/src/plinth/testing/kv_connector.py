@@ -26,8 +26,8 @@ _ids = itertools.count(1_000_000)
 
 def kv_test_layout(*, page_bytes: int = 4096, page_size: int = 4, fingerprint: str | None = None) -> Any:
     """A layout for tests (its own fingerprint: never mixes with a real model's)."""
+    from plinth.api import KVLayout
     from plinth.engine.kv_transfer import HEADER_BYTES
-    from plinth.hookspecs import KVLayout
 
     fp = fingerprint or f"conformance{random.getrandbits(48):012x}"
     return KVLayout(
@@ -121,8 +121,8 @@ def check_kv_connector(
     (``make(layout) -> connector`` overrides how it is built)."""
     import torch
 
+    from plinth.api import KVConnector, SelectionContext
     from plinth.engine.kv_transfer import KVTransfer, make_key
-    from plinth.hookspecs import KVConnector, SelectionContext
 
     report = Report(f"kv_connector {name}")
     if make is None:

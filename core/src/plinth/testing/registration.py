@@ -16,8 +16,9 @@ from collections.abc import Iterable
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 
+from plinth.contract import DESCRIPTOR_TYPES, IMPL_BASES, PLUGIN_API_VERSION, SelectionContext
 from plinth.errors import PluginError
-from plinth.hookspecs import DESCRIPTOR_TYPES, ENTRY_POINT_GROUP, IMPL_BASES, PLUGIN_API_VERSION, SelectionContext
+from plinth.hookspecs import ENTRY_POINT_GROUP
 from plinth.plugins import FAILED, INCOMPATIBLE, PluginEntry, PluginRegistry
 from plinth.testing._report import Report
 
@@ -197,7 +198,7 @@ def _check_entry(report: Report, registry: PluginRegistry, entry: PluginEntry) -
 
 _PROBE = r"""
 import json, sys
-from plinth.hookspecs import SelectionContext
+from plinth.api import SelectionContext
 from plinth.plugins import PluginRegistry
 from packaging.utils import canonicalize_name
 dist, at_ep, at_check = sys.argv[1], set(json.loads(sys.argv[2])), set(json.loads(sys.argv[3]))

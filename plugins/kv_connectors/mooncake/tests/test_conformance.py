@@ -42,8 +42,8 @@ def test_the_data_path_taken(master, zero_copy):
     once and kept until the thread registers another (then the old one is
     unregistered); otherwise through bytes. Same bytes back either way."""
     import torch
+    from plinth.api import SelectionContext
     from plinth.engine.kv_transfer import HEADER_BYTES
-    from plinth.hookspecs import SelectionContext
     from plinth.testing.kv_connector import kv_test_layout
     from plinth_plugin_mooncake.connector import MooncakeConnector
 

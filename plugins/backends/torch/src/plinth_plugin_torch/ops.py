@@ -2,7 +2,7 @@
 quantized), activation, rotary embedding, page copies and MoE experts.
 
 Every op follows the signatures documented with ``OP_NAMES`` in
-``plinth.hookspecs`` and runs on any torch device.
+``plinth.contract.backend`` and runs on any torch device.
 """
 
 from __future__ import annotations

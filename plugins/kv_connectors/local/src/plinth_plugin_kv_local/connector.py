@@ -27,6 +27,10 @@ from typing import Any, Sequence
 import numpy as np
 from plinth.api import ConfigError, KVConnector, SelectionContext
 
+#: vLLM's medium names for the tiers (``vllm/distributed/kv_events.py``), carried by their KV events
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
 
 def _size(value: Any, default: int) -> int:
     if value is None:
@@ -57,6 +61,7 @@ class LocalConnector(KVConnector):
         self._mem_used = 0
         self._lock = threading.Lock()
         self._disk_used: int | None = None  # measured on first use
+        self._disk_keys: dict[str, str] = {}  # path -> key, for the files this process wrote (KV events)
         self.evictions = 0
 
     # ---- memory tier ---------------------------------------------------------------
@@ -64,6 +69,7 @@ class LocalConnector(KVConnector):
     def _mem_put(self, key: str, data: bytes) -> None:
         if len(data) > self.cpu_bytes:
             return
+        evicted = []
         with self._lock:
             old = self._mem.pop(key, None)
             if old is not None:
@@ -71,9 +77,13 @@ class LocalConnector(KVConnector):
             self._mem[key] = data
             self._mem_used += len(data)
             while self._mem_used > self.cpu_bytes:
-                _, gone = self._mem.popitem(last=False)
+                gone_key, gone = self._mem.popitem(last=False)
                 self._mem_used -= len(gone)
                 self.evictions += 1
+                evicted.append(gone_key)
+        if old is None:
+            self.report_tier("stored", [key], MEDIUM_CPU)
+        self.report_tier("removed", evicted, MEDIUM_CPU)
 
     def _mem_get(self, key: str) -> bytes | None:
         with self._lock:
@@ -105,6 +115,8 @@ class LocalConnector(KVConnector):
         with self._lock:
             if self._disk_used is not None:
                 self._disk_used += len(data)
+            self._disk_keys[path] = key
+        self.report_tier("stored", [key], MEDIUM_STORAGE)
         self._evict_disk()
 
     def _evict_disk(self) -> None:
@@ -127,6 +139,9 @@ class LocalConnector(KVConnector):
             try:
                 os.unlink(path)
                 self.evictions += 1
+                gone = self._disk_keys.pop(path, None)
+                if gone is not None:
+                    self.report_tier("removed", [gone], MEDIUM_STORAGE)
             except FileNotFoundError:
                 pass
             used -= size

@@ -1,0 +1,164 @@
+"""The plinth plugin contract, a module per plugin category.
+
+A plugin is a distribution that declares one entry point in the group
+``plinth.plugins``; the entry point names a module (cheap to import: it must
+not import torch, vendor SDKs or kernels) holding ``@hookimpl`` functions
+(the hooks are in ``plinth.hookspecs``). Each registration hook returns small
+named descriptors; a descriptor names its implementation lazily as
+``"module:attr"``, which the core imports only when that plugin is chosen (or
+when ``platform plugins`` asks it whether it is available). The
+implementation classes a descriptor may point at are the base classes here:
+subclass them.
+
+=================  ===================================================
+module             category: descriptor, base class, what they exchange
+=================  ===================================================
+``base``           every category: ``PluginDescriptor``, ``PluginImpl``,
+                   ``SelectionContext``, ``PLUGIN_API_VERSION``
+``accelerator``    ``--device``: ``Accelerator``, ``AcceleratorInfo``
+``backend``        ``--backend``: ``Backend``, the op signatures,
+                   ``QuantizedWeight``, ``AttentionMetadata``
+``model``          model loaders: ``ModelLoader``, ``ModelConfig``,
+                   ``ModelSource``, ``LoadContext``, ``CausalLM``
+``kv_cache``       what a model's layers cache
+``a2a``            ``--a2a``: ``AllToAll``, ``DispatchedTokens``
+``kv_connector``   ``--kv-connector``: ``KVConnector``, ``KVLayout``
+``proposer``       ``--speculative-method``: ``Proposer``, ``ProposeItem``,
+                   ``ProposerContext``, ``DraftRunner``
+``parsers``        ``--tool-call-parser``, ``--reasoning-parser``
+=================  ===================================================
+
+Plugins import these names from ``plinth.api``. The core states
+``PLUGIN_API_VERSION``; a descriptor states the range it supports in ``api``
+(a PEP 440 specifier). Outside that range the plugin is shown as
+incompatible and cannot be chosen.
+"""
+
+from __future__ import annotations
+
+from plinth.contract.a2a import A2ADescriptor, AllToAll, DispatchedTokens, PlannedLayout
+from plinth.contract.accelerator import Accelerator, AcceleratorDescriptor, AcceleratorInfo
+from plinth.contract.backend import (
+    BASE_OPS,
+    FUSED_OPS,
+    OP_NAMES,
+    OP_SIGNATURES,
+    AllocateKVCacheOp,
+    AttentionMetadata,
+    AttentionOp,
+    Backend,
+    BackendDescriptor,
+    CopyPagesOp,
+    FusedMoEOp,
+    LinearOp,
+    PackLinearOp,
+    PrepareAttentionOp,
+    QKVAttentionOp,
+    QuantizedWeight,
+    RmsNormOp,
+    RotaryOp,
+    SiluAndMulOp,
+)
+from plinth.contract.base import (
+    PLUGIN_API_VERSION,
+    PluginDescriptor,
+    PluginImpl,
+    SelectionContext,
+    descriptor_fields,
+)
+from plinth.contract.kv_connector import KVConnector, KVConnectorDescriptor, KVLayout
+from plinth.contract.model import CausalLM, LoadContext, ModelConfig, ModelDescriptor, ModelLoader, ModelSource
+from plinth.contract.parsers import (
+    ReasoningParse,
+    ReasoningParser,
+    ReasoningParserDescriptor,
+    ToolCallItem,
+    ToolParse,
+    ToolParser,
+    ToolParserDescriptor,
+)
+from plinth.contract.proposer import DraftRunner, ProposeItem, Proposer, ProposerContext, ProposerDescriptor
+
+#: category -> the descriptor type its registration hook returns
+DESCRIPTOR_TYPES: dict[str, type[PluginDescriptor]] = {
+    d.category: d
+    for d in (
+        AcceleratorDescriptor,
+        BackendDescriptor,
+        ModelDescriptor,
+        A2ADescriptor,
+        KVConnectorDescriptor,
+        ToolParserDescriptor,
+        ReasoningParserDescriptor,
+        ProposerDescriptor,
+    )
+}
+
+#: category -> the base class its implementations subclass
+IMPL_BASES: dict[str, type[PluginImpl]] = {
+    "accelerator": Accelerator,
+    "backend": Backend,
+    "model": ModelLoader,
+    "a2a": AllToAll,
+    "kv_connector": KVConnector,
+    "tool_parser": ToolParser,
+    "reasoning_parser": ReasoningParser,
+    "proposer": Proposer,
+}
+
+__all__ = [
+    "BASE_OPS",
+    "DESCRIPTOR_TYPES",
+    "FUSED_OPS",
+    "IMPL_BASES",
+    "OP_NAMES",
+    "OP_SIGNATURES",
+    "PLUGIN_API_VERSION",
+    "A2ADescriptor",
+    "Accelerator",
+    "AcceleratorDescriptor",
+    "AcceleratorInfo",
+    "AllToAll",
+    "AllocateKVCacheOp",
+    "AttentionMetadata",
+    "AttentionOp",
+    "Backend",
+    "BackendDescriptor",
+    "CausalLM",
+    "CopyPagesOp",
+    "DispatchedTokens",
+    "PlannedLayout",
+    "DraftRunner",
+    "FusedMoEOp",
+    "KVConnector",
+    "KVConnectorDescriptor",
+    "KVLayout",
+    "LinearOp",
+    "LoadContext",
+    "ModelConfig",
+    "ModelDescriptor",
+    "ModelLoader",
+    "ModelSource",
+    "PackLinearOp",
+    "PluginDescriptor",
+    "PluginImpl",
+    "PrepareAttentionOp",
+    "ProposeItem",
+    "Proposer",
+    "ProposerContext",
+    "ProposerDescriptor",
+    "QKVAttentionOp",
+    "QuantizedWeight",
+    "ReasoningParse",
+    "ReasoningParser",
+    "ReasoningParserDescriptor",
+    "RmsNormOp",
+    "RotaryOp",
+    "SelectionContext",
+    "SiluAndMulOp",
+    "ToolCallItem",
+    "ToolParse",
+    "ToolParser",
+    "ToolParserDescriptor",
+    "descriptor_fields",
+]

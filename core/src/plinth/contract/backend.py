@@ -1,0 +1,225 @@
+"""The backend category (``--backend``): a table of compute ops, their typed
+signatures, and what the ops exchange (quantized weights, a step's attention
+metadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Protocol, Sequence
+
+from plinth.contract.base import PluginDescriptor, PluginImpl, SelectionContext
+
+if TYPE_CHECKING:
+    import torch
+
+
+
+@dataclass(frozen=True)
+class BackendDescriptor(PluginDescriptor):
+    """A table of compute ops (``--backend``). impl -> a ``Backend`` subclass.
+
+    reference: this backend implements every op in ``OP_NAMES`` on any torch
+    device; ops another backend leaves out are taken from it.
+    """
+
+    category: ClassVar[str] = "backend"
+    reference: bool = False
+
+
+# The ops a backend may provide, one typed signature each (tensors are
+# torch.Tensor on the chosen device). The model calls them through the op
+# table start-up resolves (attributes named as the ops); a backend that leaves
+# one out gets the reference backend's. The table is open: a backend may bring
+# an op not listed here (its name is the contract between it and the models
+# that call it), and a model loader names the ops it needs in
+# ``ModelLoader.required_ops``: start-up fails, naming the op and the backends
+# tried, when none of them provides one.
+
+
+class RmsNormOp(Protocol):
+    def __call__(self, x: "torch.Tensor", weight: "torch.Tensor | None", eps: float, residual: "torch.Tensor | None" = None) -> Any:
+        """y = x / rms(x) * weight; with ``residual``: (y, x + residual), the
+        norm taken of the sum (the fused residual add)."""
+
+
+class PackLinearOp(Protocol):
+    def __call__(self, weight: "torch.Tensor | QuantizedWeight") -> Any:
+        """Once per weight at load time: an [out, in] tensor (or a
+        ``QuantizedWeight``) into what this backend's ``linear`` takes (a
+        pre-blocked layout, say); the reference returns it as is. Models
+        store the result and only ever hand it to ``linear``."""
+
+
+class LinearOp(Protocol):
+    def __call__(self, x: "torch.Tensor", weight: Any, bias: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """x @ weight.T (+ bias); weight is what ``pack_linear`` returned."""
+
+
+class SiluAndMulOp(Protocol):
+    def __call__(self, x: "torch.Tensor") -> "torch.Tensor":
+        """silu(x[..., :d]) * x[..., d:] for a fused gate/up projection."""
+
+
+class RotaryOp(Protocol):
+    def __call__(self, q: "torch.Tensor", k: "torch.Tensor", positions: "torch.Tensor", cos_sin: "torch.Tensor", is_neox: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+        """(q, k) rotated; cos_sin is the model's [max_pos, rotary_dim] table
+        (cos half, then sin half)."""
+
+
+class AllocateKVCacheOp(Protocol):
+    def __call__(self, *, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: "torch.dtype", device: "torch.device") -> "tuple[Any, Any]":
+        """One layer's paged K/V storage, zeroed, in this backend's own layout
+        (v_pages is None when v_head_dim is 0: V shares K's pages, as in MLA).
+        Only this backend's attention and copy_pages look inside; the engine
+        only counts pages."""
+
+
+class PrepareAttentionOp(Protocol):
+    def __call__(self, meta: "AttentionMetadata") -> None:
+        """Once per step, before the layers; may stash per-step state in
+        ``meta.backend_state``."""
+
+
+class AttentionOp(Protocol):
+    def __call__(self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", kv_cache: "tuple[Any, Any]", meta: "AttentionMetadata", *, scale: float, sliding_window: int | None = None, logit_cap: float | None = None) -> "torch.Tensor":
+        """out [T, Hq, Dv]: writes k, v [T, Hkv, D] into kv_cache at
+        meta.slot_mapping (slot = page * page_size + offset), then attends
+        causally over each sequence's pages."""
+
+
+class QKVAttentionOp(Protocol):
+    def __call__(self, qkv: "torch.Tensor", positions: "torch.Tensor", cos_sin: "torch.Tensor", is_neox: bool, kv_cache: "tuple[Any, Any]", meta: "AttentionMetadata", *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None) -> "torch.Tensor":
+        """Optional, a fusion: a layer's attention block from its fused
+        projection qkv [T, (Hq + 2 Hkv) * D] (q heads, then k, then v):
+        ``rotary`` on q and k, then ``attention``; returns [T, Hq * D]. The
+        same numbers as those ops; a model calls it when the table has it and
+        nothing comes between the projection and the rotation (per-head q/k
+        norms), and composes the two ops otherwise."""
+
+
+class CopyPagesOp(Protocol):
+    def __call__(self, kv_caches: Sequence[Any], src: "torch.Tensor", dst: "torch.Tensor") -> None:
+        """Copy whole pages src[i] -> dst[i] (int64 CPU tensors) in every
+        layer (fork, n > 1)."""
+
+
+class FusedMoEOp(Protocol):
+    def __call__(self, x: "torch.Tensor", w13: "torch.Tensor", w2: "torch.Tensor", topk_weights: "torch.Tensor", topk_ids: "torch.Tensor") -> "torch.Tensor":
+        """The experts of a mixture-of-experts MLP: x [T, H]; w13 [E, 2I, H]
+        (each expert's gate rows, then its up rows); w2 [E, H, I];
+        topk_weights, topk_ids [T, K]. Returns y [T, H] in x's dtype, y[t] =
+        sum over k of topk_weights[t, k] * down_e(silu(gate_e(x[t])) *
+        up_e(x[t])) with e = topk_ids[t, k]; ids outside [0, E) (experts of
+        other ranks, padding) contribute nothing. Tokens are grouped by
+        expert, one GEMM per expert that received tokens; an expert with no
+        tokens costs nothing."""
+
+
+#: the ops the core knows, with their signatures; a backend may add others
+OP_SIGNATURES: dict[str, type] = {
+    "rms_norm": RmsNormOp,
+    "pack_linear": PackLinearOp,
+    "linear": LinearOp,
+    "silu_and_mul": SiluAndMulOp,
+    "rotary": RotaryOp,
+    "allocate_kv_cache": AllocateKVCacheOp,
+    "prepare_attention": PrepareAttentionOp,
+    "attention": AttentionOp,
+    "copy_pages": CopyPagesOp,
+    "qkv_attention": QKVAttentionOp,
+    "fused_moe": FusedMoEOp,
+}
+OP_NAMES: tuple[str, ...] = tuple(OP_SIGNATURES)
+#: optional fusions of other ops: a backend may bring them (with the ops
+#: whose layout they read); the reference does not, and models compose the
+#: separate ops where the table has none
+FUSED_OPS: tuple[str, ...] = ("qkv_attention",)
+#: the ops every decoder the core runs calls (the engine itself calls the
+#: KV ones); ``ModelLoader.required_ops`` adds what an architecture needs
+BASE_OPS: tuple[str, ...] = (
+    "rms_norm", "pack_linear", "linear", "silu_and_mul", "rotary",
+    "allocate_kv_cache", "prepare_attention", "attention", "copy_pages",
+)
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight stored in a quantized format, handed to ``pack_linear``.
+
+    format: "fp8_e4m3" (per-channel or block scales), "int8", ...; or
+    "gguf_<type>" (``gguf_q4_0``, ``gguf_q4_1``, ``gguf_q8_0``, ``gguf_q4_k``,
+    ``gguf_q5_k``, ``gguf_q6_k``, ...: the GGML type name, lower case): qweight
+    is the GGUF file's rows of blocks as they are, uint8 [out, in / weights
+    per block * bytes per block] (rows may be permuted or stacked, never cut
+    inside a row), scale is empty (the scales live in the blocks), block_size
+    is (1, weights per block).
+
+    A model loader hands a backend only the formats it says it runs: FP8 when
+    the op table has the op ``fp8_path() -> (path, why)``, GGUF types when it
+    has ``gguf_formats() -> (type names, path)`` (ops a backend brings of its
+    own; the loader logs the path and dequantizes what is not offered).
+    """
+
+    format: str
+    qweight: "torch.Tensor"
+    scale: "torch.Tensor"
+    shape: tuple[int, int]
+    block_size: tuple[int, int] | None = None
+
+
+class Backend(PluginImpl):
+    """A table of compute ops. Instantiated once per process after selection."""
+
+    def __init__(self, ctx: SelectionContext, reference: Mapping[str, Callable[..., Any]] | None = None) -> None:
+        self.ctx = ctx
+        #: the reference backend's ops (None in the reference itself): call
+        #: them for the cases this backend does not handle
+        self.reference = reference or {}
+
+    @classmethod
+    def unsupported_ops(cls, ctx: SelectionContext) -> Mapping[str, str]:
+        """Ops this backend has but cannot run for ``ctx``, each with why
+        (``{"linear": "bf16 GEMMs need avx512bw+vl+dq"}``). ``ops()`` leaves
+        them out and the reference serves them; start-up logs this and
+        ``platform plugins`` shows it. Whole-backend problems go in ``check``."""
+        return {}
+
+    def ops(self) -> Mapping[str, Callable[..., Any]]:
+        """The ops this backend provides for ``self.ctx``: any of
+        ``OP_SIGNATURES`` (the reference backend supplies the rest), plus any
+        op of its own (the table is open)."""
+        raise NotImplementedError
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward step's flat token batch, as the attention op sees it.
+
+    The tokens of all sequences are concatenated (prefill chunks and decode
+    tokens alike); sequence i owns tokens query_start_loc[i]:query_start_loc[i+1].
+    """
+
+    positions: "torch.Tensor"  # [T] int64, position of each token in its sequence
+    slot_mapping: "torch.Tensor"  # [T] int64, page * page_size + offset for its K/V
+    query_start_loc: "torch.Tensor"  # [B + 1] int32
+    seq_lens: "torch.Tensor"  # [B] int32, context length including this step's tokens
+    block_tables: "torch.Tensor"  # [B, max_pages] int32, padded with 0
+    page_size: int
+    max_query_len: int
+    max_seq_len: int
+    # host-side copies so reference code never waits on the device
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    #: per-step state a backend computes once in prepare_attention
+    backend_state: dict[str, Any] = field(default_factory=dict)
+    #: the decode flag MoE layers hand the a2a plugin; set by the engine when
+    #: ranks with different batches must agree (None: ``is_decode_only``)
+    moe_decode: bool | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

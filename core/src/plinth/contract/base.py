@@ -1,0 +1,95 @@
+"""What every plugin category shares: the plugin API version, the descriptor
+every registration hook returns a subclass of, the context an implementation
+is validated and built with, and the base of every implementation class."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+if TYPE_CHECKING:  # the contract itself stays cheap to import
+    import torch
+
+    from plinth.contract.a2a import PlannedLayout
+    from plinth.contract.accelerator import Accelerator
+    from plinth.contract.model import ModelConfig
+    from plinth.contract.proposer import ProposerContext
+
+PLUGIN_API_VERSION = "1.0"
+
+
+
+@dataclass(frozen=True)
+class PluginDescriptor:
+    """One named implementation in one category.
+
+    name:        the name users choose it by (``--device npu``); unique per
+                 category across every installed distribution.
+    impl:        ``"package.module:ClassName"``, imported only when needed.
+    priority:    ``auto`` takes the highest-priority candidate that validates.
+    api:         the plugin API versions this plugin supports (PEP 440).
+    version:     this implementation's version; empty means the version of
+                 the distribution that registered it.
+    description: one line for ``platform plugins``.
+    """
+
+    category: ClassVar[str] = ""
+    name: str
+    impl: str
+    priority: int = 0
+    version: str = ""
+    api: str = ">=1.0,<2"
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "_").replace(".", "_").isidentifier():
+            raise ValueError(f"plugin name {self.name!r} must be a simple identifier")
+        if ":" not in self.impl:
+            raise ValueError(f"{self.name}: impl {self.impl!r} must be 'module:attr'")
+
+
+@dataclass
+class SelectionContext:
+    """Everything known when a plugin is validated or built.
+
+    Fields are filled as startup proceeds: accelerators are checked with an
+    empty context, backends with the accelerator, dtype and model config.
+    options holds the parsed CLI/API options (plugin-specific ones included).
+    """
+
+    accelerator: "Accelerator | None" = None
+    dtype: "torch.dtype | None" = None
+    model: "ModelConfig | None" = None
+    tp: int = 1
+    ep: int = 1
+    options: Mapping[str, Any] = field(default_factory=dict)
+    #: proposers only: what the engine offers them (None in `platform plugins`)
+    speculative: "ProposerContext | None" = None
+    #: a2a plugins: the planned parallel layout (None in `platform plugins`)
+    layout: "PlannedLayout | None" = None
+
+
+class PluginImpl:
+    """Base of every implementation class."""
+
+    #: set by the core from the descriptor when the class is chosen
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def check(cls, ctx: SelectionContext) -> list[str]:
+        """Reasons this implementation cannot serve ``ctx``; empty means it can.
+
+        Must be cheap and must not import a vendor library: probe with
+        ``importlib.util.find_spec`` and say what is missing
+        (``"torch_npu is not installed"``). Called by ``platform plugins``
+        with an empty context, and at startup with a filled one.
+        """
+        return []
+
+
+def descriptor_fields(d: PluginDescriptor) -> dict[str, Any]:
+    """A descriptor as a plain dict (for ``platform plugins --json``)."""
+    out = dataclasses.asdict(d)
+    out["category"] = d.category
+    return out

@@ -1,0 +1,114 @@
+"""The model category: loaders that build architectures, and what they exchange
+with the engine (the model's config, where it lives, how to build it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+from plinth.contract.backend import BASE_OPS
+from plinth.contract.base import PluginDescriptor, PluginImpl
+
+if TYPE_CHECKING:
+    import torch
+
+    from plinth.contract.a2a import AllToAll
+
+
+
+@dataclass(frozen=True)
+class ModelDescriptor(PluginDescriptor):
+    """Model architectures. impl -> a ``ModelLoader`` subclass.
+
+    architectures:      Hugging Face names from config.json (``LlamaForCausalLM``).
+    gguf_architectures: values of the GGUF key ``general.architecture``.
+    """
+
+    category: ClassVar[str] = "model"
+    architectures: tuple[str, ...] = ()
+    gguf_architectures: tuple[str, ...] = ()
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know about a model, whatever its architecture."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    v_head_dim: int | None = None  # when V differs from K (MLA); 0: V shares K's cache
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    dtype: str = "bfloat16"  # the checkpoint's dtype
+    num_experts: int = 0
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class ModelSource:
+    """A model the core has located: a Hugging Face folder or a GGUF file."""
+
+    path: str  # the folder, or the .gguf file
+    format: str  # "hf" | "gguf"
+    architecture: str
+    hf_config: Mapping[str, Any] | None = None  # config.json, for format "hf"
+
+
+@dataclass
+class LoadContext:
+    """Where and how to build the model."""
+
+    device: "torch.device"
+    dtype: "torch.dtype"
+    ops: "Any"  # the resolved op table (attributes named as in OP_NAMES)
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: Any = None
+    a2a: "AllToAll | None" = None
+    progress: bool = True
+    #: weights stored quantized (GGUF blocks) are dequantized at load to
+    #: ``dtype`` even where the backend runs their format (``--dequantize``)
+    dequantize: bool = False
+
+
+class CausalLM:
+    """What a loader builds (a torch.nn.Module subclassing this protocol).
+
+    forward(input_ids [T], positions [T], kv_caches: list per layer of
+    (k_pages, v_pages), meta: AttentionMetadata) -> hidden [T, hidden_size]
+    compute_logits(hidden [N, hidden_size]) -> logits [N, vocab] in float32
+    weight_bytes(*, per_token=False) -> int: bytes its weights take on the
+        device, each shared tensor counted once (weights may be packed objects,
+        not parameters), which sizes the KV pool; per_token=True: the bytes
+        one decode step reads (not the input embedding table), for the
+        benchmarks' roofline and FLOP counts
+    """
+
+
+class ModelLoader(PluginImpl):
+    """Builds the architectures its descriptor names."""
+
+    def load_config(self, source: ModelSource) -> ModelConfig:
+        raise NotImplementedError
+
+    def load_tokenizer(self, source: ModelSource) -> "Any":
+        """A ``plinth.api.Tokenizer``."""
+        raise NotImplementedError
+
+    def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> "Any":
+        """A ``torch.nn.Module`` with the ``CausalLM`` methods, weights loaded."""
+        raise NotImplementedError
+
+    def required_ops(self, config: ModelConfig) -> Sequence[str]:
+        """The ops this model calls. Checked at start-up, before any weight
+        loads: an op no selected backend provides fails naming the op and
+        the backends tried. May name ops outside ``OP_SIGNATURES``."""
+        return BASE_OPS + (("fused_moe",) if config.num_experts else ())

@@ -1,0 +1,126 @@
+"""Replica tracking shared by `platform router` and `platform proxy`.
+
+Each replica is polled every ``interval`` seconds: ``/health`` (a replica that
+does not answer 200 within ``interval`` is down) and, when asked, ``/metrics``
+for the vLLM-named gauges llm-d's scorers read (``vllm:num_requests_waiting``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``). A request that
+cannot reach a replica marks it down at once; a down replica keeps being
+polled and comes back with its first healthy answer. Requests in flight
+through this front are counted here, fresher than any scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger("plinth.replicas")
+
+#: the gauges read from a replica's /metrics (vLLM's names: any vLLM-compatible server)
+SCRAPED = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running", "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+@dataclass
+class Replica:
+    url: str
+    inflight: int = 0
+    served: int = 0
+    failed: int = 0
+    healthy: bool = True
+    #: from its /metrics, when scraped
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    scraped_at: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """The ``SCRAPED`` gauges of a Prometheus text page, summed over label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = SCRAPED.get(name)
+        if key is None:
+            continue
+        try:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+    return out
+
+
+class ReplicaSet:
+    def __init__(self, urls: list[str], *, interval: float = 1.0, scrape_metrics: bool = False) -> None:
+        if not urls:
+            raise ValueError("at least one URL is needed")
+        self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.interval = interval
+        self.scrape_metrics = scrape_metrics
+        self._turn = itertools.count()
+        #: called with a replica that went down (its prefix index is stale then)
+        self.on_down: list[Callable[[Replica], None]] = []
+
+    def up(self) -> list[Replica]:
+        """The healthy replicas; all of them when none is (a guess beats a refusal)."""
+        live = [r for r in self.replicas if r.healthy]
+        return live or list(self.replicas)
+
+    def least_loaded(self, among: list[Replica] | None = None) -> Replica:
+        """Fewest requests in flight here, ties in turn."""
+        pool = among if among is not None else self.up()
+        least = min(r.inflight for r in pool)
+        ties = [r for r in pool if r.inflight == least]
+        return ties[next(self._turn) % len(ties)]
+
+    def round_robin(self) -> Replica:
+        pool = self.up()
+        return pool[next(self._turn) % len(pool)]
+
+    def mark_down(self, r: Replica, why: str) -> None:
+        if r.healthy:
+            log.warning("replica %s is down: %s", r.url, why)
+            r.healthy = False
+            for cb in self.on_down:
+                cb(r)
+
+    async def poll_once(self, client: Any) -> None:
+        async def one(r: Replica) -> None:
+            try:
+                h = await client.get(r.url + "/health", timeout=self.interval)
+                ok = h.status_code == 200
+                if ok and self.scrape_metrics:
+                    m = await client.get(r.url + "/metrics", timeout=self.interval)
+                    g = parse_gauges(m.text)
+                    r.waiting, r.running, r.kv_usage = g.get("waiting", 0.0), g.get("running", 0.0), g.get("kv_usage", 0.0)
+                    r.scraped_at = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - any failure to answer is "down"
+                self.mark_down(r, f"{type(exc).__name__}: {exc}")
+                return
+            if not ok:
+                self.mark_down(r, f"/health answered {h.status_code}")
+            elif not r.healthy:
+                log.warning("replica %s is back", r.url)
+                r.healthy = True
+
+        await asyncio.gather(*(one(r) for r in self.replicas))
+
+    async def run(self, client: Any) -> None:
+        """Poll every replica until cancelled."""
+        while True:
+            started = time.monotonic()
+            await self.poll_once(client)
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            r.url: {"healthy": r.healthy, "inflight": r.inflight, "served": r.served, "failed": r.failed,
+                    "waiting": r.waiting, "running": r.running, "kv_usage": r.kv_usage}  # fmt: skip
+            for r in self.replicas
+        }

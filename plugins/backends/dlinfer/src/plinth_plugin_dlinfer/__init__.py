@@ -1,0 +1,1 @@
+"""plinth backend plugin: the ops of DeepLink's dlinfer (``dlinfer.ops``)."""

@@ -1,0 +1,39 @@
+"""The fake dlinfer (``fake_dlinfer/``) and the fake NPU accelerator
+(``fake_npu/``) go on sys.path only inside the fixtures that ask for them,
+so no other test in the same run sees either."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).parent
+FAKE_DLINFER = HERE / "fake_dlinfer"
+FAKE_NPU = HERE / "fake_npu"
+
+
+def _forget_dlinfer() -> None:
+    for name in [m for m in sys.modules if m == "dlinfer" or m.startswith("dlinfer.") or m.startswith("plinth_plugin_dlinfer.ops")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_dlinfer(monkeypatch):
+    """The fake dlinfer importable (and found by find_spec)."""
+    monkeypatch.syspath_prepend(str(FAKE_DLINFER))
+    yield FAKE_DLINFER
+    _forget_dlinfer()
+
+
+@pytest.fixture
+def fake_npu(monkeypatch, fake_dlinfer):
+    """The fake dlinfer and the ``fakenpu`` accelerator: a registry that has it."""
+    monkeypatch.syspath_prepend(str(FAKE_NPU))
+    from plinth.plugins import PluginRegistry
+
+    registry = PluginRegistry.discover()
+    assert "fakenpu" in registry.names("accelerator"), "the fake NPU's entry point was not found"
+    yield registry
+    sys.modules.pop("plinth_test_fakenpu", None)
