@@ -336,3 +336,19 @@ def test_fp8_path_by_gpu_generation(capability, fp8_support, path):
     chosen, why = fp8_path(SelectionContext(accelerator=SimpleNamespace(info=lambda: info)))
     assert chosen == path, why
     assert capability in why
+
+
+def test_kernels_are_autotuned_on_a_gpu_and_plain_in_the_interpreter(monkeypatch):
+    """On a GPU each kernel kind tries num_warps x num_stages once per model
+    shape (sm_80 and sm_90 choose for themselves); the interpreter keeps the
+    plain kernel (autotune needs one config there)."""
+    import triton
+    from plinth_plugin_triton import tuning
+    from plinth_plugin_triton.attention import _decode_split_kernel
+
+    assert not isinstance(_decode_split_kernel, triton.runtime.Autotuner)  # TRITON_INTERPRET=1 here
+    monkeypatch.delenv("TRITON_INTERPRET")
+    tuner = tuning.tuned("moe", key=["hidden", "inter", "BLOCK_M"])(moe._moe_down_kernel)
+    assert isinstance(tuner, triton.runtime.Autotuner)
+    assert {(c.num_warps, c.num_stages) for c in tuner.configs} == set(tuning.CONFIGS["moe"])
+    assert tuner.keys == ["hidden", "inter", "BLOCK_M"]

@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from plinth.api import AttentionMetadata, PluginError
 
+from plinth_plugin_triton.tuning import tuned
+
 STATE_KEY = "triton"
 
 
@@ -64,6 +66,7 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
+@tuned("decode", key=["G", "D", "DV", "BLOCK_N"])
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, BT, SL, MidO, MidM, MidL,
@@ -161,6 +164,7 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_outt + h * stride_outh + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < DV)
 
 
+@tuned("prefill", key=["G", "BLOCK_M", "D", "DV", "BLOCK_N"])
 @triton.jit
 def _prefill_kernel(
     Q, K, V, BT, SL, QSL, BlockSeq, BlockStart, Out,

@@ -28,8 +28,10 @@ import triton
 import triton.language as tl
 
 from plinth_plugin_triton.attention import dot, interpreting
+from plinth_plugin_triton.tuning import tuned
 
 
+@tuned("moe", key=["hidden", "inter", "BLOCK_M"])
 @triton.jit
 def _moe_gate_up_kernel(
     X, W13, SortedPairs, BlockExpert, Act,
@@ -66,6 +68,7 @@ def _moe_gate_up_kernel(
     tl.store(Act + offs_m[:, None] * stride_at + offs_n[None, :], act.to(Act.dtype.element_ty), mask=n_ok[None, :])
 
 
+@tuned("moe", key=["hidden", "inter", "BLOCK_M"])
 @triton.jit
 def _moe_down_kernel(
     Act, W2, SortedPairs, BlockExpert, TopkW, Out,
