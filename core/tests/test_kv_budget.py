@@ -104,3 +104,11 @@ def test_profiling_tokens_are_the_step_budget():
     assert profiling_tokens(EngineConfig(model="x", max_num_batched_tokens=2048), 4096) == 2048
     assert profiling_tokens(EngineConfig(model="x", max_num_batched_tokens=2048), 1000) == 1000
     assert profiling_tokens(EngineConfig(model="x"), 4096) == 512  # the default budget where it is measured later
+
+
+def test_a_draft_models_weights_are_left_out(tmp_path):
+    from plinth.engine.startup import draft_weight_bytes
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
+    assert draft_weight_bytes(EngineConfig(model="x", speculative_method="draft", speculative_model=str(tmp_path))) == 4096
+    assert draft_weight_bytes(EngineConfig(model="x")) == 0

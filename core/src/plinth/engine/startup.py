@@ -190,6 +190,23 @@ def profile_activation_peak(
     return int(accelerator.measure_peak(lambda: forward(tokens), device_index))  # the scratch pool goes with this frame
 
 
+def draft_weight_bytes(config: EngineConfig) -> int:
+    """A draft model's weights, which load after the KV pool is sized: its
+    checkpoint's size on disk (safetensors or GGUF), 0 without one."""
+    if not config.speculative_model:
+        return 0
+    import os
+
+    from plinth.weights import safetensors_files
+
+    path = config.speculative_model
+    try:
+        files = [path] if os.path.isfile(path) else [str(f) for f in safetensors_files(path)]
+        return sum(os.path.getsize(f) for f in files)
+    except (ConfigError, OSError):
+        return 0  # the draft fails to load later, with its own reason
+
+
 def kv_pool_pages(
     config: EngineConfig, accelerator: Any, model: Any, model_cfg: ModelConfig, dtype: torch.dtype, *,
     max_model_len: int, tp: int | None = None, device_index: int = 0, activation_peak: int = 0, reserved: int = 0,
@@ -301,8 +318,9 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
             tokens=profiling_tokens(config, max_model_len),
         )  # fmt: skip
     num_pages, page_bytes, budget = kv_pool_pages(
-        config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len, activation_peak=peak
-    )
+        config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len, activation_peak=peak,
+        reserved=draft_weight_bytes(config),
+    )  # fmt: skip
     if num_pages < 1:
         raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, one page takes {page_bytes})")
     log.info(
