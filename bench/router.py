@@ -91,11 +91,11 @@ def text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-async def one_turn(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> tuple[float, int, str]:
+async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[float, int, str]:
     t0 = time.perf_counter()
     ttft = None
     out, n = [], 0
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -126,11 +126,12 @@ async def workload(url: str, a: argparse.Namespace, salt: int) -> dict:
         msgs = [{"role": "system", "content": systems[u % a.systems]}]
         for _ in range(a.turns):
             msgs.append({"role": "user", "content": text(r, a.question_words) + "?"})
-            ttft, n, answer = await one_turn(client, url, msgs, a.max_tokens)
+            ttft, n, answer = await one_turn(client, url, model, msgs, a.max_tokens)
             ttfts.append(ttft)
             tokens += n
             msgs.append({"role": "assistant", "content": answer})
 
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(user(u, client) for u in range(a.users)))
@@ -156,6 +157,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--policies", default="prefix,round-robin,least-loaded")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
+    ap.add_argument("--backend", default=None, help="the replicas' --backend (default: auto)")
+    ap.add_argument("--num-pages", type=int, default=None, help="the replicas' --num-pages: a KV pool too small to hold every conversation everywhere")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -168,7 +171,9 @@ def main() -> int:
         for i in range(a.replicas):
             ep = f"ipc://{tmp}/kv{i}"
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ep}
-            args = ["serve", *([a.model] if a.model else []), "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+            args = ["serve", *([a.model] if a.model else []), *(["--backend", a.backend] if a.backend else []),
+                    *(["--num-pages", str(a.num_pages)] if a.num_pages else []),
+                    "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
                     "--kv-events-config", json.dumps(cfg)]  # fmt: skip
             cpus = f"{i * a.threads}-{(i + 1) * a.threads - 1}" if pin else None
             p, url = start(args, f"{tmp}/replica{i}.log", env, cpus)

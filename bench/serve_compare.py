@@ -189,18 +189,26 @@ def venv_version(venv: Path, dist: str) -> str:
 # ---------------------------------------------------------------------------
 
 
-def prepare_hf_folder(out: Path) -> None:
+def prepare_hf_folder(out: Path, gguf: str) -> None:
     """Run in a child process: GGUF -> a plain HF folder (float32 safetensors + tokenizer)."""
     from plinth.bench.peers import gguf_to_hf_folder
-    from plinth.engine.model_source import default_model_path
 
-    gguf_to_hf_folder(default_model_path(), out)
+    gguf_to_hf_folder(gguf, out)
 
 
 def default_gguf() -> str:
     from plinth.engine.model_source import default_model_path
 
     return str(default_model_path())
+
+
+def chosen_gguf(args: argparse.Namespace) -> str:
+    """--gguf: a .gguf file, or a name a model plugin serves (gemma3-270m); else the bundled SmolLM2."""
+    if not args.gguf:
+        return default_gguf()
+    from plinth.engine.model_source import locate_model
+
+    return locate_model(args.gguf).path
 
 
 # ---------------------------------------------------------------------------
@@ -926,6 +934,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start vLLM without compiling its model (starts in ~40 s instead of 2-3 min; slower)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                    help="every server's dtype (default: what plinth's accelerator picks on this CPU)")
+    p.add_argument("--gguf", default=None, metavar="FILE|NAME",
+                   help="another model: a .gguf file or a name a model plugin serves (gemma3-270m); implies --no-docs")
     p.add_argument("--plinth-gguf", action="store_true",
                    help="plinth serves the GGUF file itself instead of the converted folder")
     p.add_argument("--plinth-args", default="", metavar="ARGS",
@@ -987,8 +997,10 @@ def choose(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def main() -> int:
     args = parse_args()
     if args._prepare:
-        prepare_hf_folder(Path(args._prepare))
+        prepare_hf_folder(Path(args._prepare), chosen_gguf(args))
         return 0
+    if args.gguf:  # the docs' sections are SmolLM2's: another model's figures go to --out-dir only
+        args.no_docs = True
     if args.from_summary:  # only the report, from a finished run
         summary = json.loads(Path(args.from_summary).read_text())
         return report(summary, Path(args.from_summary).parent, no_docs=args.no_docs)
@@ -1014,13 +1026,13 @@ def main() -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    gguf = default_gguf()
+    gguf = chosen_gguf(args)
 
     tmp = tempfile.TemporaryDirectory(prefix="serve_compare_")
-    hf_dir = Path(args.hf_dir) if args.hf_dir else Path(tmp.name) / "smollm2-hf"
+    hf_dir = Path(args.hf_dir) if args.hf_dir else Path(tmp.name) / f"{Path(gguf).stem}-hf"
     if not (hf_dir / "config.json").exists():
         log(f"converting the GGUF into {hf_dir}")
-        subprocess.run([sys.executable, __file__, "--_prepare", str(hf_dir)], check=True, env=env)
+        subprocess.run([sys.executable, __file__, "--_prepare", str(hf_dir), "--gguf", gguf], check=True, env=env)
 
     servers = ["plinth", *peers]
     runs: dict[str, dict[str, dict[int, list[dict]]]] = {}

@@ -78,6 +78,10 @@ def tiny_config(arch: str):
         return transformers.Qwen3Config(**common, head_dim=48)
     if arch == "mistral":  # sliding window smaller than the prompts
         return transformers.MistralConfig(**common, sliding_window=24)
+    if arch == "qwen3-hybrid":  # half the layers sliding-window (two KV-cache groups), a window of 12
+        cfg = dict(common, num_hidden_layers=4)
+        layer_types = ["sliding_attention", "full_attention"] * 2
+        return transformers.Qwen3Config(**cfg, head_dim=24, sliding_window=12, use_sliding_window=True, layer_types=layer_types)
     raise ValueError(arch)
 
 

@@ -131,8 +131,9 @@ def step_budget(tmp: str) -> dict:
     peak = profile_activation_peak(acc, model, engine.components.ops, cfg, device=torch.device("cuda"), dtype=torch.bfloat16,
                                    page_size=16, tokens=2048)  # fmt: skip
     config = EngineConfig(model=path, max_num_seqs=10**6)
-    pages, page_bytes, budget = kv_pool_pages(config, acc, SimpleNamespace(weight_bytes=lambda: weights), cfg, torch.bfloat16,
-                                              max_model_len=cfg.max_model_len, activation_peak=peak)  # fmt: skip
+    held_model = SimpleNamespace(weight_bytes=lambda: weights, kv_cache_specs=model.kv_cache_specs)
+    plan = kv_pool_pages(config, acc, held_model, torch.bfloat16, max_model_len=cfg.max_model_len, activation_peak=peak)
+    pages, budget = plan.num_pages, plan.budget
     pool = torch.empty(max(budget, 0), dtype=torch.uint8, device="cuda")  # the pool it sizes fits
     held = weights + peak + budget
     del pool, ballast

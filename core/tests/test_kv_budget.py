@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from plinth.api import Accelerator
+from plinth.api import Accelerator, FullAttentionSpec
 from plinth.engine.config import EngineConfig
 from plinth.engine.startup import kv_pool_pages, profiling_tokens
 
@@ -38,11 +38,14 @@ class ScriptedAccelerator(Accelerator):
         return self.peak
 
 
-def cfg(**kw):
-    return SimpleNamespace(
-        architecture="Llama", num_layers=32, num_kv_heads=8, head_dim=128, v_head_dim=None, hidden_size=4096,
-        num_heads=32, **kw,
-    )  # fmt: skip
+def model(weights: int) -> SimpleNamespace:
+    """A Llama-8B-shaped model's KV description (32 layers, 8 KV heads of 128) with ``weights`` bytes."""
+    return SimpleNamespace(weight_bytes=lambda: weights, kv_cache_specs=lambda: [FullAttentionSpec(num_kv_heads=8, head_dim=128)] * 32)
+
+
+def pool(config, acc, m, **kw):
+    plan = kv_pool_pages(config, acc, m, torch.bfloat16, max_model_len=kw.pop("max_model_len", 4096), **kw)
+    return plan.num_pages, plan.page_bytes[0], plan.budget
 
 
 @pytest.mark.parametrize("share", [0.1, 0.5, 0.8])
@@ -50,11 +53,8 @@ def test_budget_counts_the_weights_once(share):
     weights = int(share * TOTAL)
     peak, a2a = 2 * GiB, GiB
     acc = ScriptedAccelerator(held=weights + a2a + CONTEXT)  # read after the weights loaded and the buffers were made
-    model = SimpleNamespace(weight_bytes=lambda: weights)
     config = EngineConfig(model="x", max_num_seqs=10**6)  # no cap from sequence lengths
-    pages, page_bytes, budget = kv_pool_pages(
-        config, acc, model, cfg(), torch.bfloat16, max_model_len=4096, activation_peak=peak, reserved=a2a
-    )
+    pages, page_bytes, budget = pool(config, acc, model(weights), activation_peak=peak, reserved=a2a)
     want = min(int(0.9 * TOTAL) - weights - peak - a2a, TOTAL - weights - a2a - CONTEXT - peak)
     assert budget == want > 0
     assert pages == budget // page_bytes > 0
@@ -69,12 +69,12 @@ def test_budget_counts_the_weights_once(share):
 
 def test_utilization_and_what_is_free_both_bound_the_budget():
     acc = ScriptedAccelerator(held=10 * GiB)
-    model = SimpleNamespace(weight_bytes=lambda: 8 * GiB)
+    m = model(8 * GiB)
     low = EngineConfig(model="x", gpu_memory_utilization=0.5, max_num_seqs=10**6)
-    _, _, budget = kv_pool_pages(low, acc, model, cfg(), torch.bfloat16, max_model_len=4096, activation_peak=GiB)
+    _, _, budget = pool(low, acc, m, activation_peak=GiB)
     assert budget == int(0.5 * TOTAL) - 8 * GiB - GiB
     busy = ScriptedAccelerator(held=70 * GiB)  # another process holds most of the device
-    _, _, budget = kv_pool_pages(EngineConfig(model="x"), busy, model, cfg(), torch.bfloat16, max_model_len=4096, activation_peak=GiB)
+    _, _, budget = pool(EngineConfig(model="x"), busy, m, activation_peak=GiB)
     assert budget == 10 * GiB - GiB
     with pytest.raises(Exception, match="gpu_memory_utilization"):
         EngineConfig(model="x", gpu_memory_utilization=1.5)
@@ -82,9 +82,9 @@ def test_utilization_and_what_is_free_both_bound_the_budget():
 
 def test_given_sizes_skip_the_budget():
     acc = ScriptedAccelerator(held=79 * GiB)
-    model = SimpleNamespace(weight_bytes=lambda: 79 * GiB)
-    assert kv_pool_pages(EngineConfig(model="x", num_pages=7), acc, model, cfg(), torch.bfloat16, max_model_len=64)[0] == 7
-    _, _, budget = kv_pool_pages(EngineConfig(model="x", kv_cache_memory=2.0), acc, model, cfg(), torch.bfloat16, max_model_len=64)
+    m = model(79 * GiB)
+    assert pool(EngineConfig(model="x", num_pages=7), acc, m, max_model_len=64)[0] == 7
+    _, _, budget = pool(EngineConfig(model="x", kv_cache_memory=2.0), acc, m, max_model_len=64)
     assert budget == 2 * GiB
 
 

@@ -5,6 +5,12 @@ position p is the sum of the ids at positions <= p, read back through the
 block table. The next token is ``(31 * sum + p) % VOCAB``. Any paging,
 chunking, preemption or prefix-cache mistake changes some sum, so the engine's
 outputs must equal ``reference()`` exactly.
+
+With ``window=W`` the toy has a second layer that reads only the last W
+positions (a sliding window, its own KV-cache group whose old pages are
+freed): the next token then also depends on the sum of the last W ids, so
+a page freed too early (read as the null page's zeros) or reused while still
+in the window changes the output.
 """
 
 from __future__ import annotations
@@ -12,8 +18,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from plinth.api import ModelConfig
-from plinth.engine.block_manager import BlockPool
+from plinth.api import FullAttentionSpec, ModelConfig, SlidingWindowSpec
 from plinth.engine.engine import LLMEngine
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
@@ -23,15 +28,16 @@ VOCAB = 97
 EOS = 0
 
 
-def next_token(tokens: list[int]) -> int:
-    return (31 * sum(tokens) + len(tokens) - 1) % VOCAB
+def next_token(tokens: list[int], window: int | None = None) -> int:
+    recent = 17 * sum(tokens[-window:]) if window else 0
+    return (31 * (sum(tokens) + recent) + len(tokens) - 1) % VOCAB
 
 
-def reference(prompt: list[int], max_tokens: int, *, eos: bool = True) -> list[int]:
+def reference(prompt: list[int], max_tokens: int, *, eos: bool = True, window: int | None = None) -> list[int]:
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
-        t = next_token(tokens)
+        t = next_token(tokens, window)
         out.append(t)
         tokens.append(t)
         if eos and t == EOS:
@@ -39,7 +45,7 @@ def reference(prompt: list[int], max_tokens: int, *, eos: bool = True) -> list[i
     return out
 
 
-def _attention(q, k, v, kv_cache, meta, **_):
+def _attention(q, k, v, kv_cache, meta, *, sliding_window=None, **_):
     k_pages, v_pages = kv_cache
     ps = meta.page_size
     flat = v_pages.view(-1, *v_pages.shape[2:])
@@ -50,6 +56,8 @@ def _attention(q, k, v, kv_cache, meta, **_):
         pos = torch.arange(slen)
         slots = meta.block_tables[i].long()[pos // ps] * ps + pos % ps
         ctx = flat[slots, 0, 0].double().cumsum(0)
+        if sliding_window:  # the sum of the last W ids only
+            ctx = ctx - torch.cat([torch.zeros(sliding_window, dtype=ctx.dtype), ctx])[:slen]
         out[start : start + qlen, 0, 0] = ctx[slen - qlen : slen].to(out.dtype)
         start += qlen
     return out
@@ -72,15 +80,22 @@ TOY_OPS = SimpleNamespace(
 
 
 class ToyModel(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
         super().__init__()
         self.ops = TOY_OPS
+        self.window = window
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = input_ids.to(torch.float64).view(-1, 1, 1)
-        s = self.ops.attention(x, x, x, kv_caches[0], meta)
+        s = self.ops.attention(x, x, x, kv_caches[0], meta.for_layer(0))
+        if self.window:
+            s = s + 17 * self.ops.attention(x, x, x, kv_caches[1], meta.for_layer(1), sliding_window=self.window)
         self._positions = positions
         return torch.stack([s.view(-1), positions.to(torch.float64)], dim=1)
+
+    def kv_cache_specs(self):
+        full = FullAttentionSpec(num_kv_heads=1, head_dim=1)
+        return [full] if self.window is None else [full, SlidingWindowSpec(num_kv_heads=1, head_dim=1, window=self.window)]
 
     def compute_logits(self, hidden):
         nxt = ((31 * hidden[:, 0].round().long() + hidden[:, 1].long()) % VOCAB).long()
@@ -104,17 +119,21 @@ class ToyTokenizer:
 
 def toy_engine(
     *, page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64, caching=True, max_model_len=4096,
-    connector=None, connector_options=None,
+    connector=None, connector_options=None, window=None, window_pages=None,
 ):
-    """``connector(layout) -> KVConnector``: attach a KV connector."""
+    """``connector(layout) -> KVConnector``: attach a KV connector. ``window``:
+    add a sliding-window layer (its group gets ``window_pages`` pages, or
+    ``num_pages``)."""
     cfg = ModelConfig(
         architecture="Toy", vocab_size=VOCAB, hidden_size=1, num_layers=1, num_heads=1, num_kv_heads=1,
         head_dim=1, max_model_len=max_model_len, eos_token_ids=(EOS,),
     )
+    pages = num_pages if window is None else [num_pages, window_pages or num_pages]
     runner = ModelRunner(
-        ToyModel(), TOY_OPS, cfg, device=torch.device("cpu"), dtype=torch.float64, num_pages=num_pages, page_size=page_size
+        ToyModel(window), TOY_OPS, cfg, device=torch.device("cpu"), dtype=torch.float64, num_pages=pages, page_size=page_size,
+        enable_caching=caching,
     )
-    kv = KVCacheManager(BlockPool(num_pages, page_size, enable_caching=caching), copy_pages=runner.copy_pages)
+    kv = KVCacheManager(runner.kv_groups, copy_pages=runner.copy_pages)
     if connector is not None:
         from plinth.api import KVLayout
         from plinth.engine.kv_transfer import HEADER_BYTES, KVTransfer

@@ -167,6 +167,11 @@ def _details(row: dict[str, Any]) -> str:
     if row["reasons"]:
         return "; ".join(row["reasons"])
     text = row.get("summary") or row.get("description", "")
+    claims = [*row.get("architectures", ()), *(f"gguf:{a}" for a in row.get("gguf_architectures", ()))]
+    if claims:  # model loaders: what they build, and the names they serve
+        text += f" [{', '.join(claims)}]"
+    if row.get("named_models"):
+        text += f" [models: {', '.join(name for name, _ in row['named_models'])}]"
     for dtype, limits in (row.get("unsupported_ops") or {}).items():
         for why in dict.fromkeys(limits.values()):  # ops that share a reason are listed together
             ops = ", ".join(op for op, w in limits.items() if w == why)

@@ -66,6 +66,7 @@ from plinth.contract.base import (
     SelectionContext,
     descriptor_fields,
 )
+from plinth.contract.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from plinth.contract.kv_connector import KVConnector, KVConnectorDescriptor, KVLayout
 from plinth.contract.model import CausalLM, LoadContext, ModelConfig, ModelDescriptor, ModelLoader, ModelSource
 from plinth.contract.parsers import (
@@ -130,6 +131,8 @@ __all__ = [
     "PlannedLayout",
     "DraftRunner",
     "FusedMoEOp",
+    "FullAttentionSpec",
+    "KVCacheSpec",
     "KVConnector",
     "KVConnectorDescriptor",
     "KVLayout",
@@ -155,6 +158,7 @@ __all__ = [
     "RmsNormOp",
     "RotaryOp",
     "SelectionContext",
+    "SlidingWindowSpec",
     "SiluAndMulOp",
     "ToolCallItem",
     "ToolParse",

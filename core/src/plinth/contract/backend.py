@@ -215,6 +215,15 @@ class AttentionMetadata:
     #: the decode flag MoE layers hand the a2a plugin; set by the engine when
     #: ranks with different batches must agree (None: ``is_decode_only``)
     moe_decode: bool | None = None
+    #: with more than one KV-cache group (``plinth.api.KVCacheSpec``): each
+    #: group's own metadata (its block tables and slot mapping, the rest
+    #: shared), and the group of each layer; empty: one group, this one
+    groups: "list[AttentionMetadata]" = field(default_factory=list)
+    layer_groups: Sequence[int] = ()
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """The metadata layer ``layer`` attends with (its group's pages)."""
+        return self.groups[self.layer_groups[layer]] if self.groups else self
 
     @property
     def num_seqs(self) -> int:

@@ -22,11 +22,16 @@ class ModelDescriptor(PluginDescriptor):
 
     architectures:      Hugging Face names from config.json (``LlamaForCausalLM``).
     gguf_architectures: values of the GGUF key ``general.architecture``.
+    named_models:       (name, ``module:function``) pairs: a model given by
+                        that name (``platform serve gemma3-270m``) is the
+                        local path the function returns (imported only then).
+    Two plugins claiming one architecture: the higher ``priority`` builds it.
     """
 
     category: ClassVar[str] = "model"
     architectures: tuple[str, ...] = ()
     gguf_architectures: tuple[str, ...] = ()
+    named_models: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -83,7 +88,12 @@ class CausalLM:
     """What a loader builds (a torch.nn.Module subclassing this protocol).
 
     forward(input_ids [T], positions [T], kv_caches: list per layer of
-    (k_pages, v_pages), meta: AttentionMetadata) -> hidden [T, hidden_size]
+    (k_pages, v_pages) or None, meta: AttentionMetadata) -> hidden [T, hidden_size];
+        layer i attends with ``meta.for_layer(i)`` (its KV-cache group's pages)
+    kv_cache_specs() -> list per layer of ``plinth.api.KVCacheSpec`` or None:
+        what each layer caches on this rank (its own K/V heads, a window, a
+        latent of a plugin's own spec, or nothing); layers with equal specs
+        share pages, and the pool's bytes come from these specs alone
     compute_logits(hidden [N, hidden_size]) -> logits [N, vocab] in float32
     weight_bytes(*, per_token=False) -> int: bytes its weights take on the
         device, each shared tensor counted once (weights may be packed objects,

@@ -203,12 +203,15 @@ def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, 
     if needs_memory_budget(config):  # every rank together: the forward's collectives
         peak = profile_activation_peak(
             accelerator, model, ops, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
-            tokens=profiling_tokens(config, max_model_len), tp=layout.tp, device_index=local_rank,
+            tokens=profiling_tokens(config, max_model_len), device_index=local_rank,
         )  # fmt: skip
-    num_pages, page_bytes, _ = kv_pool_pages(
-        config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len, tp=layout.tp, device_index=local_rank,
-        activation_peak=peak, reserved=a2a_bytes,
+    plan = kv_pool_pages(
+        config, accelerator, model, dtype, max_model_len=max_model_len, device_index=local_rank, activation_peak=peak,
+        reserved=a2a_bytes,
     )  # fmt: skip
+    if len(plan.pages) > 1:  # the step payload carries one block table per sequence
+        raise ConfigError(f"{model_cfg.architecture}: a model with {len(plan.pages)} KV-cache groups (sliding-window layers) runs in one process only, for now")
+    num_pages, page_bytes = plan.pages[0], plan.page_bytes[0]
     # the smallest pool any rank can hold (ranks of one node share its memory); after
     # loading, which may take any time: the long-timeout store, not a collective
     store.set(f"plinth/pages/{rank}", str(int(num_pages)))
@@ -384,7 +387,8 @@ class _GroupRunner:
         return self.front.arrive(self.dp_rank, (ids, meta, list(logit_rows)))
 
     def copy_pages(self, src: Any, dst: Any) -> None:
-        self.copies.extend(zip(map(int, src), map(int, dst)))  # applied on every rank of the group before its next forward
+        """src[0], dst[0]: the pages of the one KV-cache group ranks support."""
+        self.copies.extend(zip(map(int, src[0]), map(int, dst[0])))  # applied on every rank of the group before its next forward
 
 
 class _Waiting:
@@ -676,10 +680,9 @@ def _is_collective_error(exc: BaseException) -> bool:
 def build_distributed_engine(config: EngineConfig, registry: Any = None) -> DistributedEngine:
     """Rank 0: launch this node's workers, set up, and build one engine per dp group."""
 
-    from plinth.engine.block_manager import BlockPool
     from plinth.engine.engine import LLMEngine
-    from plinth.engine.kv_cache_manager import KVCacheManager
-    from plinth.engine.model_runner import ModelRunner
+    from plinth.engine.kv_cache_manager import KVCacheManager, make_group
+    from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
     from plinth.engine.scheduler import Scheduler
     from plinth.engine.startup import Components, _hash_seed
     from plinth.engine.step_plan import plan_step
@@ -701,7 +704,7 @@ def build_distributed_engine(config: EngineConfig, registry: Any = None) -> Dist
         setup = setup_rank(config, registry, 0, 0, store, alive)
         runner = ModelRunner(
             setup.model, setup.ops, setup.model_cfg, device=setup.device, dtype=setup.dtype,
-            num_pages=setup.num_pages + 1, page_size=config.page_size, tp=layout.tp,
+            num_pages=setup.num_pages + 1, page_size=config.page_size,
         )  # fmt: skip
     except BaseException:
         for _, p in procs:
@@ -723,7 +726,8 @@ def build_distributed_engine(config: EngineConfig, registry: Any = None) -> Dist
     for d in range(layout.dp):
         gr = _GroupRunner(front, d, runner)
         kv = KVCacheManager(
-            BlockPool(setup.num_pages, config.page_size, enable_caching=config.enable_prefix_caching),
+            [make_group(spec, layers, setup.num_pages, config.page_size, enable_caching=config.enable_prefix_caching)
+             for spec, layers in spec_groups(kv_cache_specs(setup.model))],  # fmt: skip
             hash_seed=_hash_seed(setup.source, setup.model_cfg),
             copy_pages=gr.copy_pages,
         )

@@ -96,7 +96,7 @@ class LLMEngine:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        capacity = self.kv.num_pages * self.kv.page_size
+        capacity = self.kv.token_capacity
         if n + 1 > capacity:
             raise RequestError(
                 f"the prompt has {n} tokens but the KV cache holds {capacity}", param="prompt", code="context_length_exceeded"
@@ -291,11 +291,10 @@ class LLMEngine:
                 return
             if j < v.accepted:
                 self._advance_computed(seq)
-        self.kv.truncate(seq, seq.num_computed)
+        self.kv.rollback(seq, seq.num_computed)
 
     def _advance_computed(self, seq: Sequence) -> None:
-        self.kv.cache_computed(seq, seq.num_computed + 1)
-        seq.num_computed += 1
+        self.kv.commit(seq, 1)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The n sequences of a request whose prompt is now computed: the first
@@ -307,7 +306,6 @@ class LLMEngine:
         for i in range(1, req.params.n):
             seed = None if req.params.seed is None else req.params.seed + i
             child = Sequence(req, i, list(parent.token_ids), generator=make_generator(seed))
-            child.page_hashes = list(parent.page_hashes)
             child.grammar = parent.grammar.fork() if parent.grammar is not None else None
             if self.kv.fork(parent, child):
                 self.scheduler.add_running(child)

