@@ -8,7 +8,9 @@
 the model's own layer windows (the gemma loader reads the GGUF): a full
 cache keeps every token in every layer; with sliding-window pages freed,
 the 15 sliding layers keep at most their 512-token window (in whole pages,
-plus the page being filled) and only the 3 global layers grow.
+plus the page being filled) and only the 3 global layers grow. With
+--measure, the engine runs one sequence to that length (a random prompt,
+then 16 greedy tokens) and the most pages each KV group held are counted.
 
 ``serve``: ``bench/serve_compare.py --gguf gemma3-270m ...``: batch-1 decode
 ms/token of plinth and llama.cpp on the same file (--llamacpp) and serving
@@ -64,14 +66,42 @@ def cmd_kv(args: argparse.Namespace) -> int:
         "window": max((w for w in arch.sliding_windows if w), default=None),
         **kv_bytes(arch.sliding_windows, arch.num_kv_heads, arch.head_dim, dtype_bytes, args.context, args.page_size),
     }
+    if args.measure:
+        out["measured"] = measure(args, source.path)
     print(json.dumps(out, indent=2))
     mib = 1 << 20
     print(
         f"{Path(source.path).name}, {args.context} tokens, {args.dtype}, pages of {args.page_size}: "
         f"full cache {out['full_bytes'] / mib:.1f} MiB, sliding pages freed {out['windowed_bytes'] / mib:.1f} MiB "
         f"({out['ratio']:.1f}x less)"
+        + (f"; measured: {out['measured']['bytes'] / mib:.1f} MiB" if args.measure else "")
     )
     return 0
+
+
+def measure(args: argparse.Namespace, path: str) -> dict:
+    """The most pages each KV group held while one sequence ran to --context tokens."""
+    import random
+
+    import torch
+    from plinth import LLM, SamplingParams
+
+    decode = 16
+    llm = LLM(path, dtype=args.dtype, page_size=args.page_size, load_progress=False, max_num_seqs=1)
+    engine, kv = llm.engine, llm.engine.kv
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000, 200000) for _ in range(args.context - decode)]
+    engine.add_request("0", prompt, SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True))
+    peak = [0] * len(kv.groups)
+    while engine.has_unfinished():
+        engine.step()
+        peak = [max(p, n) for p, n in zip(peak, kv.group_pages_held())]
+    dtype = getattr(torch, args.dtype)
+    groups = [
+        {"spec": repr(g.spec), "layers": len(g.layers), "peak_pages": p, "bytes": p * g.spec.page_bytes(args.page_size, dtype) * len(g.layers)}
+        for g, p in zip(kv.groups, peak)
+    ]
+    return {"groups": groups, "bytes": sum(g["bytes"] for g in groups)}
 
 
 def cmd_serve(rest: list[str]) -> int:
@@ -90,6 +120,7 @@ def main() -> int:
     kv.add_argument("--context", type=int, default=8192)
     kv.add_argument("--page-size", type=int, default=16)
     kv.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    kv.add_argument("--measure", action="store_true", help="also run one sequence through the engine and count its pages")
     sub.add_parser("serve", help="bench/serve_compare.py --gguf gemma3-270m [its arguments]")
     args = p.parse_args()
     return cmd_kv(args)

@@ -72,7 +72,7 @@ def main() -> int:
             outs = llm.generate(prompts, params)
             dt = time.perf_counter() - t
         finally:
-            llm.shutdown()
+            llm.close()
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append({"config": name, **kw, "seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
                      "total_tok_s": (n_out + args.input * args.prompts) / dt, "startup_s": start_s,

@@ -26,4 +26,4 @@ def smollm2_async_engine():
         pytest.skip(why)
     engine = smollm2_engine()
     yield engine
-    engine.shutdown()
+    engine.close()

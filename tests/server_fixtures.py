@@ -220,3 +220,20 @@ def smollm2_engine(**overrides: Any) -> Any:
     kwargs: dict[str, Any] = dict(max_model_len=2048, kv_cache_memory=1.0, max_num_seqs=64, load_progress=False)
     kwargs.update(overrides)
     return AsyncLLM.from_config(EngineConfig(**kwargs))
+
+
+def wait_until_healthy(proc: Any, url: str, timeout: float = 120) -> None:
+    """Wait for a `platform serve` subprocess to answer /health with 200
+    (failing with its output if it exits first)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.3)

@@ -14,6 +14,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -22,6 +23,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "plugins/models/llama/tests"))
 
 from plinth import LLM, SamplingParams  # noqa: E402
+from server_fixtures import wait_until_healthy  # noqa: E402
 from tiny_models import tiny_model_dir, write_tokenizer  # noqa: E402
 from tiny_moe import prompts, saved_model  # noqa: E402
 
@@ -65,9 +67,11 @@ def run_parallel(path: str, **kw):
         assert llm.engine.pages_held() == 0
         return out, time.monotonic() - t0
     finally:
-        llm.shutdown()
-        procs = [p for _, p in llm.engine.procs]
+        llm.close()
+        procs = llm.engine.procs
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # stopped, not killed
+        left = [t.name for t in threading.enumerate() if t.name.startswith("plinth-")]
+        assert not left, f"threads left after close(): {left}"  # watchdog, dp steps
 
 
 @pytest.mark.parametrize("kw", [dict(tp=2), dict(ep=2, a2a="nccl")], ids=["tp2", "ep2-dp2"])
@@ -134,17 +138,8 @@ def test_serve_tp2_ep2_then_a_dead_worker_fails_loudly(root):
     )  # fmt: skip
     workers: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.3)
-        workers = [pid for pid, cmd in _children(proc.pid).items() if "spawn_main" in cmd]
+        wait_until_healthy(proc, url, timeout=120)
+        workers = [pid for pid, cmd in _children(proc.pid).items() if "plinth.engine.worker" in cmd]
         assert len(workers) == 1, _children(proc.pid)
 
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
@@ -204,12 +199,10 @@ class socket_port:
 def test_a_stopped_worker_fails_the_engine_within_the_timeout(root):
     """SIGSTOP: the rank is alive but silent; the collective timeout (3 s
     here) turns it into DeadRankError, and shutdown leaves nothing behind."""
-    import threading
-
     from plinth.engine.distributed import DeadRankError
 
     llm = LLM(moe(root), tp=2, dist_timeout=3.0, **KW)
-    (rank, proc), = llm.engine.procs
+    (proc,) = llm.engine.procs
     timer = threading.Timer(1.0, os.kill, (proc.pid, signal.SIGSTOP))
     t0 = time.monotonic()
     try:
@@ -221,6 +214,6 @@ def test_a_stopped_worker_fails_the_engine_within_the_timeout(root):
             llm.generate([prompts()[0]], SamplingParams(max_tokens=2))
     finally:
         timer.cancel()
-        llm.shutdown()
+        llm.close()
     proc.join(5)
     assert proc.exitcode is not None, "the stopped worker was left behind"

@@ -1,6 +1,7 @@
 """Tensor, data and expert parallel models on real processes over gloo
 against one process: tiny Qwen3-MoE and Qwen2-MoE (shared expert) under
-(tp, dp, ep) = (2,1,1), (1,2,2), (2,1,2), (2,2,4), and a dense Llama with one
+(tp, dp, ep) = (2,1,1), (1,2,2), (2,1,2), (2,2,4), a Qwen3-MoE of 5 experts at
+ep = 2 (an uneven split), and a dense Llama with one
 KV head (replicated over tp) and a tied, vocabulary-parallel head under tp=2.
 Each dp rank runs its own prompts of different lengths; the experts' tokens
 travel through the nccl a2a plugin (flat layout for prefill, padded for decode)."""
@@ -99,6 +100,7 @@ CASES = [
     ("qwen3moe", 1, 2, 2),
     ("qwen3moe", 2, 1, 2),
     ("qwen3moe", 2, 2, 4),
+    ("qwen3moe5", 1, 2, 2),  # ep does not divide the 5 experts: rank 0 keeps 3, rank 1 keeps 2
     ("qwen2moe", 2, 1, 1),
     ("qwen2moe", 1, 2, 2),
     ("llama-mqa-tied", 2, 1, 1),

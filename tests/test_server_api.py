@@ -42,7 +42,7 @@ def srv(request):
         s.exact = own  # the fake model's logits do not depend on batching or caching
         yield s
     if own:
-        engine.shutdown()
+        engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import smollm2_missing
+from server_fixtures import smollm2_missing, wait_until_healthy
 
 PLATFORM = str(Path(sys.executable).with_name("platform"))
 
@@ -94,16 +94,7 @@ def test_platform_serve_default_model():
         env=env,
     )
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_until_healthy(proc, url, timeout=240)
         import anthropic
         import openai
 

@@ -30,7 +30,7 @@ def srv(request):
     with serve(engine, names=[MODEL]) as s:
         yield s
     if own:
-        engine.shutdown()
+        engine.close()
 
 
 def chat(**kw):
@@ -207,7 +207,7 @@ def test_still_serving_and_nothing_held(srv):
 def engine():
     e = fake_engine()
     yield e
-    e.shutdown()
+    e.close()
 
 
 def test_api_key(engine):
@@ -298,7 +298,7 @@ def test_full_queue_503():
             assert free_pages_back(engine, engine.stats()["num_pages"])
             assert httpx.post(s.url + CHAT, json=chat()).status_code == 200
     finally:
-        engine.shutdown()
+        engine.close()
 
 
 ODD_VALUES = [None, -1, 0, 2, 1.5, 1e308, -1e308, 10**30, "", "x", "\u0000", [], [1], ["a", None], {}, {"a": 1}, True]

@@ -24,7 +24,7 @@ def srv(request):
         s.kind = request.param
         yield s
     if own:
-        engine.shutdown()
+        engine.close()
 
 
 def _aborted(url: str) -> float:

@@ -24,7 +24,7 @@ def srv():
     engine = fake_engine(delay=0)
     with serve(engine, names=[MODEL]) as s:
         yield s
-    engine.shutdown()
+    engine.close()
 
 
 @pytest.mark.timeout(600)

@@ -208,4 +208,4 @@ def test_padded_vocabulary_end_to_end(tiny_root, caplog):
                 jsonschema.validate(json.loads(c.message.content), schema)
         assert "grammar rejected" not in caplog.text
     finally:
-        engine.shutdown()
+        engine.close()

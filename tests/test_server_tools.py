@@ -90,7 +90,7 @@ def srv():
     engine.engine.runner = ScriptRunner(delay=0.0)
     with serve(engine, names=[MODEL], tool_call_parser="hermes", reasoning_parser="qwen3") as s:
         yield s
-    engine.shutdown()
+    engine.close()
 
 
 @pytest.fixture(scope="module")

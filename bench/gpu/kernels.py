@@ -366,7 +366,7 @@ def model_case() -> None:
                     sync()
                     t2 = time.perf_counter()
                     step_ms[backend] = ((t2 - t1) - (t1 - t0)) / (new - 1) * 1e3
-                llm.shutdown()
+                llm.close()
                 del llm
                 gc.collect()
         ok = tokens["torch"] == tokens["triton"]

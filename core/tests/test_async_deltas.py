@@ -24,7 +24,7 @@ def _text(ids: list[int]) -> str:
 def llm():
     engine = AsyncLLM(toy_engine())
     yield engine
-    engine.shutdown()
+    engine.close()
 
 
 def _collect(llm: AsyncLLM, params: SamplingParams, *, lag: float = 0.0) -> list:

@@ -58,6 +58,7 @@ from plinth.contract import (
     ToolParse,
     ToolParser,
     ToolParserDescriptor,
+    expert_ranges,
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
@@ -122,6 +123,7 @@ __all__ = [
     "RotaryOp",
     "SiluAndMulOp",
     "DispatchedTokens",
+    "expert_ranges",
     "DraftRunner",
     "GGUFFile",
     "FullAttentionSpec",

@@ -36,7 +36,6 @@ def generate(args: argparse.Namespace, registry: PluginRegistry) -> int:
     from plinth.engine.llm import LLM
     from plinth.engine.sampling_params import SamplingParams
 
-    llm = LLM(registry=registry, **plugin_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -44,10 +43,11 @@ def generate(args: argparse.Namespace, registry: PluginRegistry) -> int:
         top_k=args.top_k,
         seed=args.sample_seed,
     )
-    if args.chat:
-        outputs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in args.prompt]
-    else:
-        outputs = llm.generate(args.prompt, params)
+    with LLM(registry=registry, **plugin_kwargs(args)) as llm:  # close(): KV saves flushed, ranks stopped
+        if args.chat:
+            outputs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in args.prompt]
+        else:
+            outputs = llm.generate(args.prompt, params)
     for out in outputs:
         sys.stdout.write(out.prompt + out.outputs[0].text + "\n" if not args.chat else out.outputs[0].text + "\n")
     sys.stdout.flush()
@@ -69,7 +69,7 @@ def serve(args: argparse.Namespace, registry: PluginRegistry) -> int:
     kwargs = plugin_kwargs(args)
     if kwargs.get("node_rank"):  # a node other than 0 runs its worker ranks only (rank 0's node serves)
         from plinth.engine.config import EngineConfig
-        from plinth.engine.distributed import run_node
+        from plinth.engine.worker import run_node
 
         options = {k: v for k, v in kwargs["plugin_options"].items() if k not in SERVER_OPTIONS}
         return run_node(EngineConfig(**{**kwargs, "plugin_options": options}))

@@ -79,8 +79,9 @@ class PlannedLayout:
 class AllToAll(PluginImpl):
     """Moves MoE tokens to the ranks owning their experts and back.
 
-    Experts are split evenly and contiguously over the group: rank r owns
-    global experts ``r * E / size .. (r + 1) * E / size - 1``. Every rank of
+    Experts are split contiguously over the group by ``expert_ranges``: when
+    the group does not divide E, the first ``E % size`` ranks own one expert
+    more (vLLM's rule). Every rank of
     the group calls dispatch and combine the same number of times, in the
     same order (a rank with no tokens passes empty tensors). ``check`` runs
     in the launcher before any rank exists, judging ``ctx.layout`` (a
@@ -113,3 +114,15 @@ class AllToAll(PluginImpl):
         return the device bytes they hold, which the KV budget leaves free.
         A failure here (NVSHMEM init, out of memory) is raised with its reason."""
         return 0
+
+def expert_ranges(num_experts: int, size: int) -> list[range]:
+    """The global experts each of ``size`` ranks owns, contiguous and in rank
+    order; the first ``num_experts % size`` ranks own one more (as vLLM's
+    ``determine_expert_map``). Every MoE model and a2a plugin splits so."""
+    base, extra = divmod(num_experts, size)
+    out, start = [], 0
+    for rank in range(size):
+        n = base + (rank < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out

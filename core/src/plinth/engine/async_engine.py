@@ -19,24 +19,23 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from plinth.engine.engine import LLMEngine
+from plinth.engine.factory import build_engine
+from plinth.engine.interfaces import (
+    CLOSE_TIMEOUT_S,
+    EngineClient,
+    EngineCore,
+    EngineDraining,
+    EngineError,
+    EngineOverloaded,
+)
 from plinth.engine.outputs import DeltaCursor, RequestOutput, coalesce
 from plinth.engine.sampling_params import SamplingParams
-from plinth.errors import PlinthError
 
 log = logging.getLogger("plinth.engine")
-
-
-class EngineOverloaded(PlinthError):
-    """Too many requests are waiting; retry later (HTTP 503 with Retry-After)."""
-
-
-class EngineError(PlinthError):
-    """The engine failed while running this request (HTTP 500); the engine
-    itself keeps serving others."""
 
 
 @dataclass
@@ -45,41 +44,45 @@ class _Stream:
     queue: asyncio.Queue
 
 
-class AsyncLLM:
-    """``engine`` is an ``LLMEngine`` or a function that builds one. Give the
+class AsyncLLM(EngineClient):
+    """``engine`` is an ``EngineCore`` or a function that builds one. Give the
     function: it then runs on the engine thread, so the model is loaded and
     stepped by the same thread. (libgomp keeps one OpenMP team per thread that
     runs torch ops; loading on one thread and stepping on another leaves two
     teams on the cores, and every op then sleeps and wakes instead of
     spinning: measured 1.7x slower decode on 2 cores.)"""
 
-    def __init__(
-        self, engine: LLMEngine | Callable[[], LLMEngine], *, max_waiting_requests: int = 4096
-    ) -> None:
+    def __init__(self, engine: EngineCore | Callable[[], EngineCore], *, max_waiting_requests: int = 4096) -> None:
         self.max_waiting_requests = max_waiting_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._cursors: dict[str, DeltaCursor] = {}  # engine thread only
         self._wake = threading.Event()
+        self._idle = threading.Event()  # set by the engine thread when nothing is in flight
         self._stop = False
+        self._closed = False
+        #: why new requests are refused (draining), or None
+        self._refusing: str | None = None
+        #: the error that stopped the engine thread (a dead rank), or None
+        self._fatal: BaseException | None = None
         self._ids = itertools.count()
-        self._factory = engine if callable(engine) and not isinstance(engine, LLMEngine) else None
-        self.engine: LLMEngine = None if self._factory else engine  # type: ignore[assignment]
+        self._factory = engine if not isinstance(engine, EngineCore) else None
+        #: the engine this client drives (for tests and benchmarks; the server uses only this class's methods)
+        self.engine: EngineCore = None if self._factory else engine  # type: ignore[assignment]
         self._started = threading.Event()
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="plinth-engine", daemon=True)
         self._thread.start()
         self._started.wait()
         if self._startup_error is not None:
+            self._thread.join()
             raise self._startup_error
 
     @classmethod
     def from_config(cls, config: Any, registry: Any = None) -> "AsyncLLM":
-        return cls(
-            lambda: LLMEngine.from_config(config, registry), max_waiting_requests=config.max_waiting_requests
-        )
+        return cls(lambda: build_engine(config, registry), max_waiting_requests=config.max_waiting_requests)
 
-    # ---- what the server uses ---------------------------------------------------
+    # ---- EngineClient -----------------------------------------------------------
 
     @property
     def tokenizer(self) -> Any:
@@ -97,7 +100,28 @@ class AsyncLLM:
         return f"{prefix}-{next(self._ids)}"
 
     def num_pending(self) -> int:
-        return self.engine.scheduler.num_waiting + self._inbox.qsize()
+        return self.engine.num_waiting() + self._inbox.qsize()
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.engine.describe(), "max_model_len": self.engine.max_model_len}
+
+    def kv_transfer(self) -> Any:
+        return self.engine.kv_transfer()
+
+    def health(self) -> tuple[bool, str]:
+        if self._fatal is not None:
+            return False, f"the engine failed: {self._fatal}"
+        if not self._thread.is_alive():
+            return False, "the engine thread is not running"
+        return True, "ok"
+
+    def accepting(self) -> tuple[bool, str]:
+        ok, why = self.health()
+        if not ok:
+            return ok, why
+        if self._refusing is not None:
+            return False, self._refusing
+        return True, "ready"
 
     async def generate(
         self,
@@ -110,19 +134,22 @@ class AsyncLLM:
         """Yield outputs of one request until it finishes: cumulative, with
         the deltas since the previous one.
 
-        Raises RequestError (bad input) before the first output, and
-        EngineOverloaded when the queue is full. Leaving the iteration early
-        (a client that disconnected) aborts the request and frees its pages.
+        Raises RequestError (bad input) before the first output,
+        EngineOverloaded when the queue is full and EngineDraining while the
+        engine shuts down. Leaving the iteration early (a client that
+        disconnected) aborts the request and frees its pages.
         """
         self.engine.validate(list(prompt_token_ids), params)
-        if self._stop:
-            fatal = getattr(self, "_fatal", None)
-            raise EngineError(f"the engine failed: {fatal}" if fatal else "the engine is shutting down")
+        if self._fatal is not None or self._stop:
+            raise EngineError(f"the engine failed: {self._fatal}" if self._fatal else "the engine is shut down")
+        if self._refusing is not None:
+            raise EngineDraining(self._refusing)
         if self.num_pending() >= self.max_waiting_requests:
             raise EngineOverloaded(f"{self.num_pending()} requests are already waiting; retry later")
         request_id = request_id or self.new_request_id()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
+        self._idle.clear()
         self._inbox.put(("add", request_id, list(prompt_token_ids), params, prompt))
         self._wake.set()
         finished = False
@@ -154,13 +181,37 @@ class AsyncLLM:
         s["waiting"] += self._inbox.qsize()
         return s
 
-    def shutdown(self, timeout: float = 30.0) -> None:
+    def drain(self, timeout: float, reason: str = "the server is shutting down") -> int:
+        self._refusing = reason
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._idle.wait(min(0.05, max(0.0, deadline - time.monotonic()))) and self._inbox.empty():
+                return 0
+        if not self._thread.is_alive():
+            return 0
+        box: list[int] = []
+        done = threading.Event()
+        self._inbox.put(("abort_all", box, done))
+        self._wake.set()
+        done.wait(CLOSE_TIMEOUT_S)  # the engine thread answers after the step it is in
+        return box[0] if box else 0
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the engine thread (requests still running get an error), then
+        close the engine (KV saves flushed, ranks ended), within ``timeout``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._refusing = self._refusing or "the engine is shut down"
+        bound = time.monotonic() + timeout
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
-        close = getattr(self.engine, "close", None)  # a distributed engine stops its ranks
-        if close is not None:
-            close()
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s (a step is stuck)", timeout)
+        if self.engine is not None:
+            self.engine.close(max(0.0, bound - time.monotonic()))
 
     # ---- the engine thread ------------------------------------------------------------
 
@@ -189,9 +240,19 @@ class AsyncLLM:
                     continue
                 # with the stop string kept in the output, cutting after it never takes back sent text
                 self._cursors[rid] = DeltaCursor(() if params.include_stop_str_in_output else params.stop)
-            else:
+            elif msg[0] == "abort":
                 self.engine.abort_request(msg[1])
                 self._cursors.pop(msg[1], None)
+            else:  # abort_all (drain): each stream ends with its final output, finish reason abort
+                _, box, done = msg
+                ids = self.engine.unfinished_request_ids()
+                for rid in ids:
+                    out = self.engine.abort_request(rid)
+                    cursor = self._cursors.pop(rid, None)
+                    if out is not None and cursor is not None:
+                        self._deliver(rid, cursor.advance(out))
+                box.append(len(ids))
+                done.set()
 
     def _run(self) -> None:
         if self._factory is not None:
@@ -205,6 +266,8 @@ class AsyncLLM:
         while not self._stop:
             self._drain_inbox()
             if not self.engine.has_unfinished():
+                if self._inbox.empty():
+                    self._idle.set()
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -212,7 +275,7 @@ class AsyncLLM:
                 outputs = self.engine.step()
             except Exception as exc:  # fail the running requests, keep serving
                 log.exception("engine step failed; aborting the requests in flight")
-                for rid in list(self.engine.requests):
+                for rid in self.engine.unfinished_request_ids():
                     self.engine.abort_request(rid)
                     self._cursors.pop(rid, None)
                     self._deliver(rid, EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
@@ -226,6 +289,7 @@ class AsyncLLM:
                     self._deliver(out.request_id, EngineError(out.error))
                 elif cursor is not None:
                     self._deliver(out.request_id, cursor.advance(out))
-        for rid in list(self.engine.requests):
+        for rid in self.engine.unfinished_request_ids():
             self.engine.abort_request(rid)
             self._deliver(rid, EngineError("the engine shut down"))
+        self._idle.set()

@@ -3,8 +3,10 @@
 Rank 0 (this process: ``LLM`` or ``platform serve``) runs the API, one
 scheduler per dp rank (one ``LLMEngine`` each, behind ``DistributedEngine``,
 which hands new requests to the least loaded one) and the sampler. It
-launches the other ranks of its node itself (``worker.py``; other nodes run
-``platform serve --node-rank k``: workers only) and, every step, sends each
+launches the other ranks of its node itself as fresh interpreters
+(``python -m plinth.engine.worker``; other nodes run ``platform serve
+--node-rank k``: workers only). Every rank starts through the one start-up
+path (``startup.start_process``, given a ``RankJoin``). Every step it sends each
 rank its dp group's batch by one collective on the control group (a header,
 then one int64 payload): token ids, positions, slot mapping, query starts,
 sequence lengths, block tables, the logits rows to compute, pending page
@@ -18,33 +20,41 @@ Failure handling: the control group and the model's groups carry a short
 collective timeout (``dist_timeout``, 10 s by default); rank 0 sends a
 heartbeat (an all-reduce, so a stopped rank is noticed too) every second
 while idle, and a watchdog thread polls the local worker processes. A dead or
-hung rank turns into ``DeadRankError`` (``fatal``): the engine refuses every
-later step, the async engine stops (so ``/health`` fails), and the other
-ranks exit on their own collective error or timeout. With world = 1 none of
-this exists: ``build_engine`` never imports this module.
+hung rank turns into ``DeadRankError`` (``fatal``), and so does any failure
+once a step went out to the ranks (they are then out of step, whatever the
+error was): the engine refuses every later step, the async engine stops (so
+``/health`` fails), and the other ranks exit on their own collective error
+or timeout. With world = 1 none of this exists: ``factory.build_engine``
+never imports this module.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import datetime
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from plinth.api import AttentionMetadata, LoadContext, SelectionContext
+from plinth.api import AttentionMetadata
 from plinth.engine.config import EngineConfig
+from plinth.engine.engine import LLMEngine
+from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore
+from plinth.engine.kv_cache_manager import KVCacheManager, make_group
 from plinth.engine.kv_events import build_recorder
+from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.parallel import ParallelGroups, ParallelLayout, init_groups
-from plinth.errors import ConfigError, PlinthError, PluginError
+from plinth.engine.scheduler import Scheduler
+from plinth.engine.startup import Started, hash_seed, start_process
+from plinth.engine.step_plan import plan_step
+from plinth.errors import ConfigError, PlinthError
+from plinth.plugins import PluginRegistry
 
 log = logging.getLogger("plinth.distributed")
 
@@ -62,27 +72,6 @@ class DeadRankError(PlinthError):
 
 
 # ---- what every rank builds ---------------------------------------------------------------
-
-
-@dataclass
-class RankSetup:
-    layout: ParallelLayout
-    groups: ParallelGroups
-    ctrl: Any  # the control group (steps, heartbeats, logits back)
-    accelerator: Any
-    accelerator_name: str
-    backend_name: str
-    loader_name: str
-    source: Any
-    model_cfg: Any
-    tokenizer: Any
-    model: Any
-    ops: Any
-    op_sources: dict
-    device: torch.device
-    dtype: torch.dtype
-    num_pages: int
-    max_model_len: int
 
 
 def resolve_layout(config: EngineConfig) -> ParallelLayout:
@@ -137,113 +126,51 @@ def wait_while(fn: Callable[[], Any], alive: Callable[[], None], what: str, time
     return box.get("value")
 
 
-def setup_rank(config: EngineConfig, registry: Any, rank: int, local_rank: int, store: Any, alive: Callable[[], None]) -> RankSetup:
-    """Everything one rank needs: the process group and the TP/DP/EP groups,
-    the plugins (chosen as on one process), the model's shard, the KV pool size
-    (the smallest any rank can hold)."""
-    import torch.distributed as dist
+class RankJoin:
+    """A rank's part in ``startup.start_process`` (its ``JoinWorld``): the
+    rendezvous, the process group and the TP/DP/EP groups, the cores shared
+    by a node's ranks, the smallest KV pool of any rank. Afterwards it holds
+    the layout, the groups and the control group."""
 
-    from plinth.engine.model_source import locate_model
-    from plinth.engine.startup import (
-        check_required_ops,
-        choose_model_loader,
-        kv_pool_pages,
-        needs_memory_budget,
-        profile_activation_peak,
-        profiling_tokens,
-        resolve_dtype,
-        resolve_ops,
-    )  # fmt: skip
-    from plinth.plugins import PluginRegistry
+    def __init__(self, config: EngineConfig, rank: int, local_rank: int, store: Any, alive: Callable[[], None]) -> None:
+        self.config = config
+        self.layout = resolve_layout(config)
+        self.rank = rank
+        self.local_rank = local_rank
+        self.store = store
+        self.alive = alive
+        self.groups: ParallelGroups | None = None
+        self.ctrl: Any = None  # the control group (steps, heartbeats, logits back)
 
-    layout = resolve_layout(config)
-    registry = registry or PluginRegistry.discover()
-    options = dict(config.plugin_options)
-    acc_entry = registry.select("accelerator", config.device, SelectionContext(options=options))
-    accelerator = acc_entry.load()()
-    per_node = layout.world // config.nnodes
-    if per_node > 1 and not os.environ.get("OMP_NUM_THREADS") and not options.get("cpu_threads"):
-        # the ranks of a node share its cores: threads each would oversubscribe them
-        # (set before init_process, so a CPU accelerator binding threads sees the final count)
-        options["cpu_threads"] = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // per_node))
-        torch.set_num_threads(options["cpu_threads"])
-    accelerator.init_process(local_rank=local_rank, options=options)
-    timeout = datetime.timedelta(seconds=config.dist_timeout)
-    store.set(f"plinth/up/{rank}", "1")
-    # every rank is up (imports done) before the group forms, whose own timeout is short
-    wait_while(lambda: store.wait([f"plinth/up/{r}" for r in range(layout.world)]), alive, "rendezvous", STARTUP_TIMEOUT_S)
-    backend = accelerator.dist_backend  # the accelerator names its collective library
-    dist.init_process_group(backend, store=store, rank=rank, world_size=layout.world, timeout=timeout)
-    groups = init_groups(layout, rank, timeout=timeout)
-    # steps and heartbeats travel on a host group: torch's gloo is the CPU backend every build has
-    ctrl = None if backend == "gloo" else dist.new_group(list(range(layout.world)), backend="gloo", timeout=timeout)
-    torch.manual_seed(config.seed)
-    device = accelerator.device(local_rank)
-    dtype = resolve_dtype(config.dtype, accelerator)
-    source = locate_model(config.model)
-    ctx = SelectionContext(accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep)
-    loader_entry = choose_model_loader(registry, source, ctx)
-    loader = loader_entry.load()()
-    model_cfg = loader.load_config(source)
-    max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
-    ctx.model = model_cfg
-    backend_entry = registry.select("backend", config.backend, ctx, prefer=accelerator.info().preferred_backends)
-    ops, op_sources = resolve_ops(registry, backend_entry, ctx)
-    tried = [backend_entry.name] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e is not backend_entry]
-    check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
-    a2a, a2a_bytes = build_a2a(config, registry, ctx, groups, model_cfg, rank) if layout.ep > 1 else (None, 0)
-    tokenizer = loader.load_tokenizer(source) if rank == 0 else None
-    load_ctx = LoadContext(
-        device=device, dtype=dtype, ops=ops, progress=config.load_progress and rank == 0,
-        tp_rank=groups.tp_rank, tp_size=layout.tp, tp_group=groups.tp_group,
-        ep_rank=groups.ep_rank, ep_size=layout.ep, ep_group=groups.ep_group, a2a=a2a, dequantize=config.dequantize,
-    )  # fmt: skip
-    model = loader.load_model(source, model_cfg, load_ctx)
-    peak = 0
-    if needs_memory_budget(config):  # every rank together: the forward's collectives
-        peak = profile_activation_peak(
-            accelerator, model, ops, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
-            tokens=profiling_tokens(config, max_model_len), device_index=local_rank,
-        )  # fmt: skip
-    plan = kv_pool_pages(
-        config, accelerator, model, dtype, max_model_len=max_model_len, device_index=local_rank, activation_peak=peak,
-        reserved=a2a_bytes,
-    )  # fmt: skip
-    if len(plan.pages) > 1:  # the step payload carries one block table per sequence
-        raise ConfigError(f"{model_cfg.architecture}: a model with {len(plan.pages)} KV-cache groups (sliding-window layers) runs in one process only, for now")
-    num_pages, page_bytes = plan.pages[0], plan.page_bytes[0]
-    # the smallest pool any rank can hold (ranks of one node share its memory); after
-    # loading, which may take any time: the long-timeout store, not a collective
-    store.set(f"plinth/pages/{rank}", str(int(num_pages)))
-    keys = [f"plinth/pages/{r}" for r in range(layout.world)]
-    wait_while(lambda: store.wait(keys), alive, "loading the model on every rank", STARTUP_TIMEOUT_S)
-    num_pages = min(int(store.get(k)) for k in keys)
-    if num_pages < 1:
-        raise ConfigError(f"no memory left for the KV cache on some rank (one page takes {page_bytes} bytes)")
-    return RankSetup(
-        layout, groups, ctrl, accelerator, acc_entry.name, backend_entry.name, loader_entry.name, source, model_cfg,
-        tokenizer, model, ops, op_sources, device, dtype, int(num_pages), max_model_len,
-    )
+    def share_cores(self, options: dict[str, Any]) -> None:
+        per_node = self.layout.world // self.config.nnodes
+        if per_node > 1 and not os.environ.get("OMP_NUM_THREADS") and not options.get("cpu_threads"):
+            # the ranks of a node share its cores: threads each would oversubscribe them
+            options["cpu_threads"] = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // per_node))
+            torch.set_num_threads(options["cpu_threads"])
 
+    def join(self, accelerator: Any) -> ParallelGroups:
+        import torch.distributed as dist
 
-def build_a2a(config: EngineConfig, registry: Any, ctx: SelectionContext, groups: ParallelGroups, model_cfg: Any, rank: int) -> tuple[Any, int]:
-    """This rank's a2a plugin and the device bytes of its buffers, allocated
-    now (every rank together), before the weights load and the KV pool is
-    sized. The launcher judged the planned layout and named the plugin
-    (``startup.choose_a2a``); a node started alone (``run_node``) with
-    ``--a2a auto`` judges the same plan here."""
-    from plinth.engine.startup import planned_layout
+        world = self.layout.world
+        timeout = datetime.timedelta(seconds=self.config.dist_timeout)
+        self.store.set(f"plinth/up/{self.rank}", "1")
+        # every rank is up (imports done) before the group forms, whose own timeout is short
+        wait_while(lambda: self.store.wait([f"plinth/up/{r}" for r in range(world)]), self.alive, "rendezvous", STARTUP_TIMEOUT_S)
+        backend = accelerator.dist_backend  # the accelerator names its collective library
+        dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=world, timeout=timeout)
+        self.groups = init_groups(self.layout, self.rank, timeout=timeout)
+        # steps and heartbeats travel on a host group: torch's gloo is the CPU backend every build has
+        self.ctrl = None if backend == "gloo" else dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+        return self.groups
 
-    ctx = dataclasses.replace(ctx, layout=planned_layout(config, registry))
-    entry = registry.get("a2a", config.a2a) if config.a2a != "auto" else registry.select("a2a", "auto", ctx)
-    a2a = entry.load()(ctx, group=groups.ep_group, num_experts=model_cfg.num_experts, hidden_size=model_cfg.hidden_size)
-    try:
-        reserved = int(a2a.reserve_buffers())
-    except Exception as exc:
-        raise PluginError(f"a2a {entry.label()} could not set up its buffers on rank {rank}: {type(exc).__name__}: {exc}") from exc
-    if rank == 0:
-        log.info("a2a: %s over %d ranks, %.1f MiB of buffers per rank", entry.label(), ctx.layout.ep, reserved / 2**20)
-    return a2a, reserved
+    def agree_num_pages(self, num_pages: int) -> int:
+        # ranks of one node share its memory; after loading, which may take
+        # any time: the long-timeout store, not a collective
+        self.store.set(f"plinth/pages/{self.rank}", str(int(num_pages)))
+        keys = [f"plinth/pages/{r}" for r in range(self.layout.world)]
+        wait_while(lambda: self.store.wait(keys), self.alive, "loading the model on every rank", STARTUP_TIMEOUT_S)
+        return min(int(self.store.get(k)) for k in keys)
 
 
 def make_store(config: EngineConfig, is_master: bool, port: int) -> Any:
@@ -338,12 +265,16 @@ def dummy_step(scratch_page: int, page_size: int, device: torch.device, decode: 
 
 
 class RankForward:
-    """The forward every rank runs on its dp group's part of a step."""
+    """The forward every rank runs on its dp group's part of a step: a
+    ModelRunner over the agreed pool and one scratch page (the last) for
+    dummy forwards."""
 
-    def __init__(self, setup: RankSetup, runner: Any) -> None:
-        self.setup = setup
-        self.runner = runner  # a ModelRunner over num_pages + 1 pages (the last: scratch)
-        self.scratch = setup.num_pages
+    def __init__(self, config: EngineConfig, started: Started) -> None:
+        self.runner = ModelRunner(
+            started.model, started.ops, started.model_cfg, device=started.device, dtype=started.dtype,
+            num_pages=started.num_pages + 1, page_size=config.page_size,
+        )  # fmt: skip
+        self.scratch = started.num_pages
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor | None, meta: AttentionMetadata | None, rows: list[int], copies: list[tuple[int, int]], decode: bool) -> torch.Tensor | None:
@@ -391,33 +322,34 @@ class _GroupRunner:
         self.copies.extend(zip(map(int, src[0]), map(int, dst[0])))  # applied on every rank of the group before its next forward
 
 
-class _Waiting:
-    """Requests waiting over every dp group (what the async engine counts)."""
-
-    def __init__(self, engines: list[Any]) -> None:
-        self.engines = engines
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(e.scheduler.num_waiting for e in self.engines)
-
-    @property
-    def num_running(self) -> int:
-        return sum(e.scheduler.num_running for e in self.engines)
-
-
-class DistributedEngine:
+class DistributedEngine(EngineCore):
     """Rank 0's engine over tp x dp ranks: one ``LLMEngine`` (scheduler, KV
     pages) per dp group, requests to the least loaded, every step run on all
-    ranks at once. Looks like an ``LLMEngine`` to ``LLM`` and ``AsyncLLM``."""
+    ranks at once."""
 
-    def __init__(self, setup: RankSetup, engines: list[Any], runners: list[_GroupRunner], forward: RankForward, procs: list[Any]) -> None:
-        self.setup = setup
-        self.engines = engines
-        self.runners = runners
+    def __init__(
+        self, config: EngineConfig, started: Started, world: RankJoin, forward: RankForward, procs: list[WorkerProcess], step_plan: Any
+    ) -> None:
+        self.layout = world.layout
+        self.ctrl = world.ctrl
         self.forward = forward
-        self.procs = procs  # this node's worker processes (rank, process)
-        self.scheduler = _Waiting(engines)
+        self.procs = procs  # this node's worker processes
+        self.tokenizer = started.tokenizer
+        self.model_config = started.model_cfg
+        self.max_model_len = started.max_model_len
+        self.components = started.components(config, step_plan)
+        self.runners = [_GroupRunner(self, d, forward.runner) for d in range(self.layout.dp)]
+        self.engines = [
+            LLMEngine(
+                runner=gr, tokenizer=started.tokenizer, model_config=started.model_cfg,
+                scheduler=Scheduler(
+                    group_kv(config, started, gr, d), max_num_seqs=config.max_num_seqs,
+                    max_num_batched_tokens=step_plan.max_num_batched_tokens,
+                ),
+                max_model_len=started.max_model_len, components=self.components,
+            )
+            for d, gr in enumerate(self.runners)
+        ]  # fmt: skip
         self.failure: DeadRankError | None = None
         self.owner: dict[str, int] = {}
         self._lock = threading.Lock()  # the control group: steps and heartbeats in one order
@@ -426,17 +358,14 @@ class DistributedEngine:
         self._cv = threading.Condition()
         self._pending: dict[int, Any] = {}
         self._results: dict[int, Any] = {}
-        self._pool = ThreadPoolExecutor(len(engines), thread_name_prefix="plinth-dp") if len(engines) > 1 else None
+        n = len(self.engines)
+        self._pool = ThreadPoolExecutor(n, thread_name_prefix="plinth-dp") if n > 1 else None
         self._stop = threading.Event()
-        threading.Thread(target=self._watch, name="plinth-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="plinth-watchdog", daemon=True)
+        self._watchdog.start()
         atexit.register(self.close)
 
-    # ---- what LLM, AsyncLLM and the server read ------------------------------------------
-
-    def __getattr__(self, name: str) -> Any:  # tokenizer, model_config, max_model_len, components, eos ids, ...
-        if name in ("engines", "setup"):
-            raise AttributeError(name)
-        return getattr(self.engines[0], name)
+    # ---- EngineCore -------------------------------------------------------------------------
 
     @property
     def requests(self) -> dict[str, Any]:
@@ -465,12 +394,24 @@ class DistributedEngine:
         # a failure is reported by the next step, even with nothing in flight
         return self.failure is not None or any(e.has_unfinished() for e in self.engines)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return [rid for e in self.engines for rid in e.unfinished_request_ids()]
+
+    def num_waiting(self) -> int:
+        return sum(e.num_waiting() for e in self.engines)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.components.describe(), "tp": self.layout.tp, "dp": self.layout.dp, "ep": self.layout.ep}
+
+    def kv_transfer(self) -> Any:
+        return None  # check_supported refuses a KV connector with more than one rank
+
     def stats(self) -> dict[str, Any]:
         total: dict[str, Any] = {}
         for e in self.engines:
             for k, v in e.stats().items():
                 total[k] = total.get(k, 0) + v if isinstance(v, (int, float)) else v
-        total["world"] = self.setup.layout.world
+        total["world"] = self.layout.world
         return total
 
     def pages_held(self) -> int:
@@ -492,12 +433,9 @@ class DistributedEngine:
         except DeadRankError:
             raise
         except Exception as exc:
-            if self.failure is not None:  # a collective broke because a rank died
+            if self.failure is not None:  # the world broke (_global_step): every later step refuses
                 raise self.failure from exc
-            if _is_collective_error(exc):
-                self._fail(self._dead_rank() or f"a collective failed: {type(exc).__name__}: {exc}")
-                raise self.failure from exc
-            raise
+            raise  # the scheduler or sampler on rank 0: this step's requests fail, the world goes on
         for out in outputs:
             if out.finished:
                 self.owner.pop(out.request_id, None)
@@ -552,9 +490,8 @@ class DistributedEngine:
         return result
 
     def _global_step(self, parts: dict[int, Any]) -> dict[int, Any]:
-        import torch.distributed as dist
 
-        layout = self.setup.layout
+        layout = self.layout
         full = []
         for d in range(layout.dp):
             if d in parts:
@@ -568,29 +505,45 @@ class DistributedEngine:
             if p is not None:
                 p[1].moe_decode = decode
         payload = pack_step(full, decode)
+        vocab = self.model_config.vocab_size
         with self._lock:
             self.check()
-            control(torch.tensor([OP_STEP, payload.numel()], dtype=torch.long), self.setup.ctrl)
-            dist.broadcast(payload, src=0, group=self.setup.ctrl)
-            self._last = time.monotonic()
-            for d in range(layout.dp):
-                self.runners[d].copies = []
-            mine = full[0]
-            out: dict[int, Any] = {}
-            if mine is None:
-                self.forward.run(None, None, [], [], decode)
-            else:
-                out[0] = self.forward.run(mine[0], mine[1], mine[2], mine[3], decode)
-            for d in range(1, layout.dp):
-                if d in parts:
-                    n = len(parts[d][2])
-                    logits = torch.empty(n, self.setup.model_cfg.vocab_size)
-                    if n:
-                        dist.recv(logits, src=d * layout.tp, group=self.setup.ctrl)
-                    out[d] = logits
+            try:
+                out = self._run_world(payload, full, parts, decode)
+            except BaseException as exc:
+                # once a step started on every rank, any failure leaves the
+                # ranks out of step (some wait in a collective rank 0 never
+                # joins): the world cannot run again, whatever the error was
+                self._fail(self._dead_rank() or f"the step failed on rank 0: {type(exc).__name__}: {exc}")
+                raise self.failure from exc
             self._last = time.monotonic()
         if 0 in out and out[0] is None:
-            out[0] = torch.empty(0, self.setup.model_cfg.vocab_size)
+            out[0] = torch.empty(0, vocab)
+        return out
+
+    def _run_world(self, payload: torch.Tensor, full: list[Any], parts: dict[int, Any], decode: bool) -> dict[int, Any]:
+        """Send the step to every rank, run rank 0's forward, take the logits
+        of the other dp groups (holding the control group's lock)."""
+        import torch.distributed as dist
+
+        layout = self.layout
+        control(torch.tensor([OP_STEP, payload.numel()], dtype=torch.long), self.ctrl)
+        dist.broadcast(payload, src=0, group=self.ctrl)
+        for d in range(layout.dp):
+            self.runners[d].copies = []
+        mine = full[0]
+        out: dict[int, Any] = {}
+        if mine is None:
+            self.forward.run(None, None, [], [], decode)
+        else:
+            out[0] = self.forward.run(mine[0], mine[1], mine[2], mine[3], decode)
+        for d in range(1, layout.dp):
+            if d in parts:
+                n = len(parts[d][2])
+                logits = torch.empty(n, self.model_config.vocab_size)
+                if n:
+                    dist.recv(logits, src=d * layout.tp, group=self.ctrl)
+                out[d] = logits
         return out
 
     # ---- failure handling and shutdown ----------------------------------------------------
@@ -599,15 +552,15 @@ class DistributedEngine:
         if self.failure is None:
             self.failure = DeadRankError(f"the distributed engine failed: {why}; restart it")
             log.error("%s", self.failure)
-        self._stop_workers(kill=True)
+        stop_workers(self.procs, kill=True)
 
     def _dead_rank(self, wait: float = 1.0) -> str | None:
         """Which local worker died (a broken collective is usually the first sign)."""
         deadline = time.monotonic() + wait
         while True:
-            for rank, p in self.procs:
+            for p in self.procs:
                 if p.exitcode is not None:
-                    return f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                    return p.describe()
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
@@ -618,50 +571,46 @@ class DistributedEngine:
             self._stop.wait(0.2)
             if self._stop.is_set() or self.failure is not None:
                 return
-            for rank, p in self.procs:
+            for p in self.procs:
                 if p.exitcode is not None:
-                    self._fail(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}")
+                    self._fail(p.describe())
                     return
             if time.monotonic() - self._last > HEARTBEAT_S and self._lock.acquire(blocking=False):
                 try:
                     if self.failure is None and not self._closed:
-                        control(torch.tensor([OP_NOOP, 0], dtype=torch.long), self.setup.ctrl)
+                        control(torch.tensor([OP_NOOP, 0], dtype=torch.long), self.ctrl)
                         self._last = time.monotonic()
-                except Exception as exc:  # noqa: BLE001 - a dead or hung rank
+                except Exception as exc:  # noqa: BLE001 - any heartbeat failure: a dead or hung rank
                     self._fail(self._dead_rank() or f"the heartbeat failed: {type(exc).__name__}: {exc}")
                 finally:
                     self._lock.release()
 
-    def _stop_workers(self, kill: bool) -> None:
-        for _, p in self.procs:
-            if kill and p.exitcode is None:
-                p.kill()
-        for _, p in self.procs:
-            p.join(5)
-            if p.exitcode is None:
-                p.kill()
-                p.join(5)
-
-    def close(self) -> None:
-        """Stop every rank (a STOP step when they are healthy, else kill this node's)."""
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Take no new request, stop every rank (a STOP step when they are
+        healthy, else kill this node's), stop the watchdog and dp threads."""
         if self._closed:
             return
         self._closed = True
+        bound = time.monotonic() + timeout
+        for e in self.engines:
+            e.close(max(0.0, bound - time.monotonic()))
         self._stop.set()
         import torch.distributed as dist
 
-        if self.failure is None and self._lock.acquire(timeout=30):
+        if self.failure is None and self._lock.acquire(timeout=max(0.0, bound - time.monotonic())):
             try:
-                control(torch.tensor([OP_STOP, 0], dtype=torch.long), self.setup.ctrl)
-            except Exception as exc:  # noqa: BLE001
+                control(torch.tensor([OP_STOP, 0], dtype=torch.long), self.ctrl)
+            except Exception as exc:  # noqa: BLE001 - stopping anyway
                 log.warning("stopping the ranks: %s", exc)
             finally:
                 self._lock.release()
-        self._stop_workers(kill=self.failure is not None)
-        for e in self.engines:
-            e.kv.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        stop_workers(self.procs, kill=self.failure is not None, timeout=max(1.0, bound - time.monotonic()))
+        self._watchdog.join(max(0.0, bound - time.monotonic()))
+        if self._pool is not None:  # its threads are idle unless a step hangs: joined up to the bound
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for t in threading.enumerate():
+                if t.name.startswith("plinth-dp_"):
+                    t.join(max(0.0, bound - time.monotonic()))
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -669,114 +618,111 @@ class DistributedEngine:
             log.debug("destroy_process_group: %s", exc)
         atexit.unregister(self.close)
 
-    shutdown = close
+
+def group_kv(config: EngineConfig, started: Started, runner: _GroupRunner, dp_rank: int) -> KVCacheManager:
+    """Dp group d's KV-cache manager: its own pages, the pool every rank agreed on."""
+    kv = KVCacheManager(
+        [make_group(spec, layers, started.num_pages, config.page_size, enable_caching=config.enable_prefix_caching)
+         for spec, layers in spec_groups(kv_cache_specs(started.model))],
+        hash_seed=hash_seed(started.source, started.model_cfg),
+        copy_pages=runner.copy_pages,
+    )  # fmt: skip
+    kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size, dp_rank=dp_rank)
+    return kv
 
 
-def _is_collective_error(exc: BaseException) -> bool:
-    name = type(exc).__name__
-    return name in ("DistBackendError", "DistNetworkError", "DistStoreError") or "gloo" in str(exc).lower() or "timed out" in str(exc).lower()
-
-
-def build_distributed_engine(config: EngineConfig, registry: Any = None) -> DistributedEngine:
-    """Rank 0: launch this node's workers, set up, and build one engine per dp group."""
-
-    from plinth.engine.engine import LLMEngine
-    from plinth.engine.kv_cache_manager import KVCacheManager, make_group
-    from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
-    from plinth.engine.scheduler import Scheduler
-    from plinth.engine.startup import Components, _hash_seed
-    from plinth.engine.step_plan import plan_step
-
+def build_distributed_engine(config: EngineConfig, registry: PluginRegistry) -> DistributedEngine:
+    """Rank 0: launch this node's workers, start as every rank does
+    (``start_process``), and build one engine per dp group."""
     layout = resolve_layout(config)
     check_supported(config, layout)
     if config.node_rank != 0:
-        raise ConfigError("only node 0 runs the engine; other nodes run workers (run_node)")
+        raise ConfigError("only node 0 runs the engine; other nodes run workers (platform serve --node-rank k)")
     port = config.master_port or free_port()
     store = make_store(config, True, port)
     procs = spawn_workers(config, layout, 0, port)
 
     def alive() -> None:
-        for rank, p in procs:
+        for p in procs:
             if p.exitcode is not None:
-                raise DeadRankError(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode} during start-up")
+                raise DeadRankError(f"{p.describe()} during start-up")
 
+    world = RankJoin(config, 0, 0, store, alive)
     try:
-        setup = setup_rank(config, registry, 0, 0, store, alive)
-        runner = ModelRunner(
-            setup.model, setup.ops, setup.model_cfg, device=setup.device, dtype=setup.dtype,
-            num_pages=setup.num_pages + 1, page_size=config.page_size,
-        )  # fmt: skip
+        started = start_process(config, registry, world)
+        forward = RankForward(config, started)
     except BaseException:
-        for _, p in procs:
-            p.kill()
-            p.join(5)
+        stop_workers(procs, kill=True)
         raise
-    forward = RankForward(setup, runner)
     # every rank runs every forward together, so no probe runs here: the default budget
-    step_plan = plan_step(config, max_model_len=setup.max_model_len, distributed=True)
+    step_plan = plan_step(config, max_model_len=started.max_model_len, distributed=True)
     log.info("%s", step_plan.log_line())
-    components = Components(
-        config=config, accelerator=setup.accelerator, accelerator_name=setup.accelerator_name, backend_name=setup.backend_name,
-        model_loader_name=setup.loader_name, source=setup.source, model_config=setup.model_cfg, dtype=setup.dtype,
-        device=setup.device, ops=setup.ops, op_sources=setup.op_sources, num_pages=setup.num_pages,
-        step_plan=step_plan,
-    )  # fmt: skip
-    engines, runners = [], []
-    front = DistributedEngine.__new__(DistributedEngine)
-    for d in range(layout.dp):
-        gr = _GroupRunner(front, d, runner)
-        kv = KVCacheManager(
-            [make_group(spec, layers, setup.num_pages, config.page_size, enable_caching=config.enable_prefix_caching)
-             for spec, layers in spec_groups(kv_cache_specs(setup.model))],  # fmt: skip
-            hash_seed=_hash_seed(setup.source, setup.model_cfg),
-            copy_pages=gr.copy_pages,
-        )
-        kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size, dp_rank=d)
-        sched = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
-        engines.append(
-            LLMEngine(runner=gr, tokenizer=setup.tokenizer, model_config=setup.model_cfg, scheduler=sched,
-                      max_model_len=setup.max_model_len, components=components)  # fmt: skip
-        )
-        runners.append(gr)
-    DistributedEngine.__init__(front, setup, engines, runners, forward, procs)
+    engine = DistributedEngine(config, started, world, forward, procs, step_plan)
     log.info("distributed engine ready: tp=%d dp=%d ep=%d over %d ranks (%s), %d pages per rank",
-             layout.tp, layout.dp, layout.ep, layout.world, setup.accelerator.dist_backend, setup.num_pages)  # fmt: skip
-    return front
+             layout.tp, layout.dp, layout.ep, layout.world, started.accelerator.dist_backend, started.num_pages)  # fmt: skip
+    return engine
 
 
-def spawn_workers(config: EngineConfig, layout: ParallelLayout, node_rank: int, port: int, skip_first: bool = True) -> list[tuple[int, Any]]:
-    import multiprocessing as mp
+# ---- worker processes ------------------------------------------------------------------------
 
+
+class WorkerProcess:
+    """One worker rank: a fresh interpreter running ``python -m
+    plinth.engine.worker`` (never the user's ``__main__``: a script without a
+    main guard, ``python -`` and notebooks all work). Its configuration
+    arrives pickled on stdin."""
+
+    def __init__(self, config: EngineConfig, rank: int, local_rank: int, port: int) -> None:
+        import pickle
+        import subprocess
+        import sys
+
+        self.rank = rank
+        cmd = [sys.executable, "-m", "plinth.engine.worker", "--rank", str(rank), "--local-rank", str(local_rank), "--port", str(port)]
+        self.popen = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        self.pid = self.popen.pid
+        assert self.popen.stdin is not None
+        try:
+            self.popen.stdin.write(pickle.dumps(config))
+            self.popen.stdin.close()
+        except BrokenPipeError:  # it died at once: exitcode says so
+            pass
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.pid}) exited with code {self.exitcode}"
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+
+    def join(self, timeout: float) -> None:
+        import subprocess
+
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def spawn_workers(config: EngineConfig, layout: ParallelLayout, node_rank: int, port: int) -> list[WorkerProcess]:
+    """This node's ranks but its first (which runs in this process)."""
     per_node = layout.world // config.nnodes
     first = node_rank * per_node
-    ctx = mp.get_context("spawn")
-    procs = []
-    for local in range(1 if skip_first else 0, per_node):
-        rank = first + local
-        p = ctx.Process(target=_worker_entry, args=(config, rank, local, port), name=f"plinth-rank{rank}", daemon=True)
-        p.start()
-        procs.append((rank, p))
-    return procs
+    return [WorkerProcess(config, first + local, local, port) for local in range(1, per_node)]
 
 
-def _worker_entry(config: EngineConfig, rank: int, local_rank: int, port: int) -> None:
-    from plinth.engine.worker import worker_main
-
-    worker_main(config, rank, local_rank, port)
-
-
-def run_node(config: EngineConfig) -> int:
-    """A node other than 0 (``--node-rank k``): run its ranks until rank 0 stops them."""
-    from plinth.engine.worker import worker_main
-
-    layout = resolve_layout(config)
-    check_supported(config, layout)
-    per_node = layout.world // config.nnodes
-    procs = spawn_workers(config, layout, config.node_rank, int(config.master_port), skip_first=True)
-    try:
-        return worker_main(config, config.node_rank * per_node, 0, int(config.master_port))
-    finally:
-        for _, p in procs:
-            p.join(10)
-            if p.exitcode is None:
-                p.kill()
+def stop_workers(procs: list[WorkerProcess], kill: bool, timeout: float = 5.0) -> None:
+    """Wait for workers to exit (killing them first with ``kill``, or after ``timeout``)."""
+    for p in procs:
+        if kill:
+            p.kill()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join(5)

@@ -1,7 +1,9 @@
-"""The synchronous engine: requests in, one scheduled step at a time, outputs out.
+"""The synchronous engine of one process: requests in, one scheduled step at
+a time, outputs out.
 
-``LLMEngine`` is driven by one thread (the offline ``LLM`` loop or the
-``AsyncLLM`` worker thread); nothing in it is shared with other threads.
+``LLMEngine`` is an ``EngineCore`` driven by one thread (the offline ``LLM``
+loop or the ``AsyncLLM`` worker thread); nothing in it is shared with other
+threads. ``plinth.engine.factory`` builds it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Sequence as Seq
 import torch
 
 from plinth.engine.detokenizer import detokenize_step, find_stop
+from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore, EngineDraining
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -26,7 +29,7 @@ from plinth.errors import RequestError
 log = logging.getLogger("plinth.engine")
 
 
-class LLMEngine:
+class LLMEngine(EngineCore):
     def __init__(
         self,
         *,
@@ -60,16 +63,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
-
-    @classmethod
-    def from_config(cls, config: Any, registry: Any = None) -> "LLMEngine":
-        from plinth.engine.startup import build_engine
-
-        return build_engine(config, registry)
-
-    def close(self) -> None:
-        """Stop what the engine started besides the model (the KV-event publisher)."""
-        self.kv.close()
+        self.closed = False
 
     # ---- requests ------------------------------------------------------------
 
@@ -110,6 +104,8 @@ class LLMEngine:
         *,
         prompt: str | None = None,
     ) -> Request:
+        if self.closed:
+            raise EngineDraining("the engine is closed")
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", param="request_id")
         prompt_token_ids = list(prompt_token_ids)
@@ -138,6 +134,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
     # ---- one step ------------------------------------------------------------
 
@@ -405,6 +407,26 @@ class LLMEngine:
             "steps": self.num_steps,
             **(self.spec.stats() if self.spec is not None else {}),
         }
+
+    def describe(self) -> dict[str, Any]:
+        return self.components.describe() if self.components is not None else {}
+
+    def kv_transfer(self) -> Any:
+        return self.kv.connector
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Take no new request, end the running ones (``abort``), write what
+        they computed to the KV connector and wait for its saves (at most
+        ``timeout``; the rest are cancelled), stop its threads and the
+        KV-event publisher."""
+        if self.closed:
+            return
+        self.closed = True
+        for rid in list(self.requests):
+            self.abort_request(rid)
+        if self.kv.connector is not None:
+            self.kv.connector.close(timeout)
+        self.kv.close()
 
     @property
     def pool(self) -> Any:

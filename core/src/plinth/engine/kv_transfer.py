@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import logging
 import struct
 import threading
@@ -182,6 +183,9 @@ class FetchResult:
     failure: str = ""  # the kind of the first bad value, if any
 
 
+_instances = itertools.count()
+
+
 class KVTransfer:
     """One engine's connection to a KV store; called only from the engine thread."""
 
@@ -210,8 +214,11 @@ class KVTransfer:
         self.max_pending_lookups = int(opts.get("max_pending_lookups", 16))
         self.breaker = CircuitBreaker(int(opts.get("breaker_failures", 3)), float(opts.get("breaker_reset_s", 2.0)))
         self.breaker.on_recover = self._forget_known
-        self._lookups = ThreadPoolExecutor(2, thread_name_prefix="plinth-kv-load")
-        self._saves = ThreadPoolExecutor(1, thread_name_prefix="plinth-kv-save")
+        # names of this transfer's own: close() joins its threads by them
+        n = next(_instances)
+        self._thread_prefixes = (f"plinth-kv-load-{n}_", f"plinth-kv-save-{n}_")
+        self._lookups = ThreadPoolExecutor(2, thread_name_prefix=self._thread_prefixes[0][:-1])
+        self._saves = ThreadPoolExecutor(1, thread_name_prefix=self._thread_prefixes[1][:-1])
         self._fetches: dict[int, _Fetch] = {}
         self._pending_saves: list[Future] = []
         self._save_batch: list[tuple[int, int]] = []  # (page, hash) to save after this step
@@ -529,14 +536,33 @@ class KVTransfer:
                 "kv_connector_save_latency": self.save_latency.snapshot(),
             }
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Hand this step's full pages to a save, wait for every save in
+        flight (at most ``timeout``, default the deadline; those not started
+        by then are cancelled), stop this transfer's threads, close the
+        connector. True when every save finished."""
+        if self._closed.is_set():
+            return True
+        bound = time.monotonic() + (self.deadline_s if timeout is None else timeout)
+        flushed = self.flush(timeout=max(0.0, bound - time.monotonic()))
+        if not flushed:
+            log.warning("KV connector: closing with saves still running after %.1fs; cancelling the rest", bound - time.monotonic())
         self._closed.set()
         self._lookups.shutdown(wait=False, cancel_futures=True)
         self._saves.shutdown(wait=False, cancel_futures=True)
+        # a store call in progress cannot be interrupted: its thread is waited
+        # for up to the bound, then left (daemon) with a warning
+        self._watcher.join(max(0.0, bound - time.monotonic()))
+        for t in threading.enumerate():
+            if t.name.startswith(self._thread_prefixes):
+                t.join(max(0.0, bound - time.monotonic()))
+                if t.is_alive():
+                    log.warning("KV connector: thread %s still in a store call at close", t.name)
         try:
             self.connector.close()
         except Exception as exc:  # closing a dead store must not fail shutdown
             log.warning("KV connector close failed: %s", exc)
+        return flushed
 
 
 #: kv_connector_config keys the core reads (the rest go to the plugin)

@@ -6,6 +6,8 @@ import itertools
 from typing import Any, Mapping, Sequence
 
 from plinth.engine.config import AUTO, EngineConfig
+from plinth.engine.factory import build_engine
+from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore
 from plinth.engine.outputs import RequestOutput
 from plinth.engine.sampling_params import SamplingParams
 
@@ -20,6 +22,7 @@ class LLM:
     with continuous batching. ``max_num_batched_tokens="auto"`` (the default)
     times the model at start-up to choose the step's token budget
     (``self.engine.components.step_plan``); an integer skips that.
+    ``LLM`` is a context manager: leaving it calls ``close()``.
     """
 
     def __init__(
@@ -58,8 +61,6 @@ class LLM:
         num_speculative_tokens: int | None = None,
         speculative_model: str | None = None,
     ) -> None:
-        from plinth.engine.engine import LLMEngine
-
         self.config = EngineConfig(
             model=model,
             device=device,
@@ -93,14 +94,20 @@ class LLM:
             num_speculative_tokens=num_speculative_tokens,
             speculative_model=speculative_model,
         )
-        self.engine = LLMEngine.from_config(self.config, registry)
+        #: the ``EngineCore`` (``LLMEngine``, or ``DistributedEngine`` with more than one rank)
+        self.engine: EngineCore = build_engine(self.config, registry)
         self._ids = itertools.count()
 
-    def shutdown(self) -> None:
-        """Stop the worker ranks (tp/dp > 1; also done at exit)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Flush KV saves, stop the engine's threads and worker ranks (also
+        done at exit for ranks). ``with LLM(...) as llm:`` calls it."""
+        self.engine.close(timeout)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

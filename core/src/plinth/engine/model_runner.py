@@ -196,7 +196,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, logit_rows: Seq[int]) -> torch.Tensor:
-        """Forward the batch; logits (float32) of the flat token rows asked for."""
+        """Forward the batch; logits (float32) of the flat token rows asked
+        for, on the model's device (the sampler works there; only sampled
+        ids and requested logprobs go to the host)."""
         input_ids, meta = self.build_metadata(batch)
         for m in meta.groups or (meta,):
             self.ops.prepare_attention(m)
@@ -207,7 +209,7 @@ class ModelRunner:
         picked = hidden.index_select(0, rows)
         if self.keep_hidden:  # a proposer reading the target's hidden states (MTP, EAGLE heads)
             self.last_hidden = picked
-        return self.model.compute_logits(picked).float().cpu()
+        return self.model.compute_logits(picked).float()
 
     @torch.inference_mode()
     def copy_pages(self, src: Seq[Seq[int]], dst: Seq[Seq[int]]) -> None:

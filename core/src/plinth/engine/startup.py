@@ -1,5 +1,10 @@
 """Start-up: choose the plugins once, load the model, size the KV pool.
 
+``start_process`` is the one path of one process and of every rank (a rank
+passes its ``JoinWorld``, ``distributed.RankJoin``, for what differs: the
+process group, shared cores, the pool every rank agrees on).
+``factory.build_engine`` builds an engine from what it returns.
+
 Everything resolved here becomes plain objects (an accelerator instance, an
 op table of callables, a model module); the engine's steps never consult the
 plugin registry again.
@@ -12,20 +17,16 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from plinth.api import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, PlannedLayout, SelectionContext
 from plinth.engine.config import AUTO, EngineConfig
-from plinth.engine.engine import LLMEngine
-from plinth.engine.kv_cache_manager import KVCacheManager
-from plinth.engine.kv_events import build_recorder
-from plinth.engine.kv_transfer import build_kv_transfer, connector_options
 from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.model_source import locate_model
-from plinth.engine.scheduler import Scheduler
-from plinth.engine.step_plan import CANDIDATE_TOKENS, plan_step
+from plinth.engine.parallel import ParallelGroups
+from plinth.engine.step_plan import CANDIDATE_TOKENS
 from plinth.errors import ConfigError, PluginError
 from plinth.plugins import PluginEntry, PluginRegistry
 
@@ -157,7 +158,7 @@ def choose_model_loader(registry: PluginRegistry, source: ModelSource, ctx: Sele
     return registry.select("model", best.name, ctx)
 
 
-def _hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
+def hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
     """Salt for prefix-cache page hashes: pages of different models never match."""
     import os
 
@@ -189,6 +190,7 @@ def profile_activation_peak(
     KV pool exists, in a scratch pool just big enough (its pages count in
     the peak: a little over, never under). Every rank of a multi-rank run
     calls it together (the forward's collectives)."""
+    from plinth.engine.kv_cache_manager import KVCacheManager
     from plinth.engine.step_plan import prefill_forward
 
     pages = -(-tokens // page_size) + 1
@@ -291,13 +293,14 @@ def planned_layout(config: EngineConfig, registry: PluginRegistry) -> PlannedLay
     the accelerator's device kind, the model's MoE shape (read from its
     config, no weights) and the step token budget of a multi-rank run."""
     from plinth.engine.parallel import ParallelLayout
+    from plinth.engine.step_plan import plan_step
 
     layout = ParallelLayout.resolve(config.tp, config.dp, config.ep)
     options = dict(config.plugin_options)
     info = registry.select("accelerator", config.device, SelectionContext(options=options)).load()().info()
     model: dict[str, Any] = {}
     try:  # a model that cannot be located fails later, with its own reason; the plan judges what is known
-        source = locate_model(config.model)
+        source = locate_model(config.model, registry)
         cfg = choose_model_loader(registry, source, SelectionContext(options=options)).load()().load_config(source)
         model = dict(hidden_size=cfg.hidden_size, num_experts=cfg.num_experts, top_k=int(cfg.raw.get("num_experts_per_tok", 0) or 0))
     except (ConfigError, PluginError, OSError) as exc:
@@ -311,35 +314,106 @@ def planned_layout(config: EngineConfig, registry: PluginRegistry) -> PlannedLay
     )  # fmt: skip
 
 
-def choose_a2a(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
-    """The a2a plugin judged against the planned layout in the launcher (a
-    named one fails with every candidate's reasons); the ranks build the one
-    chosen here, by name."""
+class JoinWorld(Protocol):
+    """A rank's part in start-up (``plinth.engine.distributed.RankJoin``):
+    what differs from one process, asked for at its place in ``start_process``."""
+
+    rank: int
+    local_rank: int
+
+    def share_cores(self, options: dict[str, Any]) -> None:
+        """Set the thread count of ranks sharing a node's cores (before ``init_process``)."""
+
+    def join(self, accelerator: Any) -> ParallelGroups:
+        """Rendezvous, the process group, the TP/DP/EP groups."""
+
+    def agree_num_pages(self, num_pages: int) -> int:
+        """The smallest KV pool any rank can hold."""
+
+
+@dataclass
+class Started:
+    """What start-up built in this process (one process, or one rank)."""
+
+    registry: PluginRegistry
+    ctx: SelectionContext
+    accelerator: Any
+    accelerator_name: str
+    backend_name: str
+    loader_name: str
+    source: ModelSource
+    model_cfg: ModelConfig
+    tokenizer: Any  # None on every rank but 0
+    model: Any
+    ops: Any
+    op_sources: dict[str, str]
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    plan: KVPoolPlan  # the KV pool: pages of each group (ranks: the smallest any rank holds)
+    groups: ParallelGroups | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return self.plan.num_pages
+
+    def components(self, config: EngineConfig, step_plan: Any) -> Components:
+        return Components(
+            config=config, accelerator=self.accelerator, accelerator_name=self.accelerator_name,
+            backend_name=self.backend_name, model_loader_name=self.loader_name, source=self.source,
+            model_config=self.model_cfg, dtype=self.dtype, device=self.device, ops=self.ops,
+            op_sources=self.op_sources, num_pages=self.num_pages, step_plan=step_plan,
+        )  # fmt: skip
+
+
+def check_a2a(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
+    """With ep > 1, the a2a plugin judged against the planned layout in the
+    launcher, before anything loads or any rank starts (a named one fails
+    with every candidate's reasons); the config returned names the one
+    chosen, which every rank builds (``build_a2a``)."""
+    if config.ep == 1:
+        return config
     ctx = SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=planned_layout(config, registry))
     entry = registry.select("a2a", config.a2a, ctx)
     log.info("a2a: %s for %s", entry.label(), ctx.layout)
     return dataclasses.replace(config, a2a=entry.name)
 
 
-def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> LLMEngine:
-    if config.ep != 1:  # the a2a plugin validates before anything loads or any rank starts
-        registry = registry or PluginRegistry.discover()
-        config = choose_a2a(config, registry)
-    if config.tp * (config.dp or 1) > 1 or config.ep > config.tp:  # more than one rank
-        from plinth.engine.distributed import build_distributed_engine
+def build_a2a(config: EngineConfig, registry: PluginRegistry, ctx: SelectionContext, groups: ParallelGroups, model_cfg: ModelConfig, first: bool) -> tuple[Any, int]:
+    """This rank's a2a plugin and the device bytes of its buffers, made now
+    (every rank together), before the weights load and the KV pool is
+    sized. The launcher judged the planned layout and named the plugin
+    (``check_a2a``); a node started alone with ``--a2a auto`` judges the
+    same plan here."""
+    ctx = dataclasses.replace(ctx, layout=planned_layout(config, registry))
+    entry = registry.get("a2a", config.a2a) if config.a2a != "auto" else registry.select("a2a", "auto", ctx)
+    a2a = entry.load()(ctx, group=groups.ep_group, num_experts=model_cfg.num_experts, hidden_size=model_cfg.hidden_size)
+    try:
+        reserved = int(a2a.reserve_buffers())
+    except Exception as exc:
+        raise PluginError(f"a2a {entry.label()} could not set up its buffers: {type(exc).__name__}: {exc}") from exc
+    if first:
+        log.info("a2a: %s over %d ranks, %.1f MiB of buffers per rank", entry.label(), ctx.layout.ep, reserved / 2**20)
+    return a2a, reserved
 
-        return build_distributed_engine(config, registry)  # type: ignore[return-value]
-    registry = registry or PluginRegistry.discover()
+
+def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWorld | None = None) -> Started:
+    """The one start-up path of one process and of every rank: the plugins
+    (chosen once), the process group (``world``: ranks only), the model (its
+    shard), the KV pool's size."""
     options = dict(config.plugin_options)
-
-    ctx = SelectionContext(options=options)
-    acc_entry = registry.select("accelerator", config.device, ctx)
+    local_rank = world.local_rank if world is not None else 0
+    first = world is None or world.rank == 0
+    acc_entry = registry.select("accelerator", config.device, SelectionContext(options=options))
     accelerator = acc_entry.load()()
-    accelerator.init_process(local_rank=0, options=options)
+    if world is not None:
+        world.share_cores(options)
+    accelerator.init_process(local_rank=local_rank, options=options)
+    groups = world.join(accelerator) if world is not None else None
     # unseeded requests draw from torch's default generator: --seed makes a
     # server's run reproducible, as vLLM's --seed does
     torch.manual_seed(config.seed)
-    device = accelerator.device(0)
+    device = accelerator.device(local_rank)
     dtype = resolve_dtype(config.dtype, accelerator)
 
     source = locate_model(config.model, registry)
@@ -348,86 +422,60 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
     loader = loader_entry.load()()
     model_cfg = loader.load_config(source)
     max_model_len = min(config.max_model_len or model_cfg.max_model_len, model_cfg.max_model_len)
-    if config.max_model_len and config.max_model_len > model_cfg.max_model_len:
+    if first and config.max_model_len and config.max_model_len > model_cfg.max_model_len:
         log.warning("max_model_len %d is beyond the model's %d: using %d", config.max_model_len, model_cfg.max_model_len, max_model_len)
 
     ctx.model = model_cfg
-    backend_entry = registry.select(
-        "backend", config.backend, ctx, prefer=accelerator.info().preferred_backends
-    )
+    backend_entry = registry.select("backend", config.backend, ctx, prefer=accelerator.info().preferred_backends)
     ops, op_sources = resolve_ops(registry, backend_entry, ctx)
     tried = [backend_entry.name] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e is not backend_entry]
     check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
+    parallel: dict[str, Any] = {}
+    a2a_bytes = 0
+    if groups is not None:
+        a2a = None
+        if groups.layout.ep > 1:
+            a2a, a2a_bytes = build_a2a(config, registry, ctx, groups, model_cfg, first)
+        parallel = dict(
+            tp_rank=groups.tp_rank, tp_size=groups.layout.tp, tp_group=groups.tp_group,
+            ep_rank=groups.ep_rank, ep_size=groups.layout.ep, ep_group=groups.ep_group, a2a=a2a,
+        )  # fmt: skip
 
-    tokenizer = loader.load_tokenizer(source)
-    load_ctx = LoadContext(device=device, dtype=dtype, ops=ops, progress=config.load_progress, dequantize=config.dequantize)
+    tokenizer = loader.load_tokenizer(source) if first else None
+    load_ctx = LoadContext(
+        device=device, dtype=dtype, ops=ops, progress=config.load_progress and first, dequantize=config.dequantize, **parallel
+    )
     model = loader.load_model(source, model_cfg, load_ctx)
     peak = 0
-    if needs_memory_budget(config):
+    if needs_memory_budget(config):  # ranks: every rank together (the forward's collectives)
         peak = profile_activation_peak(
             accelerator, model, ops, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
-            tokens=profiling_tokens(config, max_model_len),
+            tokens=profiling_tokens(config, max_model_len), device_index=local_rank,
         )  # fmt: skip
     plan = kv_pool_pages(
-        config, accelerator, model, dtype, max_model_len=max_model_len, activation_peak=peak, reserved=draft_weight_bytes(config)
-    )
-    if min(plan.pages) < 1:
-        raise ConfigError(f"no memory left for the KV cache (budget {plan.budget} bytes, one page takes {sum(plan.page_bytes)})")
-    num_pages = plan.num_pages
-    log.info(
-        "KV cache: %s pages x %d tokens (%.2f GiB, %s)",
-        "+".join(map(str, plan.pages)), config.page_size, plan.total_bytes / (1 << 30), str(dtype).removeprefix("torch."),
-    )
-
-    runner = ModelRunner(
-        model, ops, model_cfg, device=device, dtype=dtype, num_pages=plan.pages, page_size=config.page_size,
-        enable_caching=config.enable_prefix_caching,
+        config, accelerator, model, dtype, max_model_len=max_model_len, device_index=local_rank, activation_peak=peak,
+        reserved=a2a_bytes + draft_weight_bytes(config),
     )  # fmt: skip
-    kv = KVCacheManager(runner.kv_groups, hash_seed=_hash_seed(source, model_cfg), copy_pages=runner.copy_pages)
-    # the step's token budget: given, or timed on this model here (before a
-    # KV connector is attached: the probes' pages are never saved anywhere)
-    step_plan = plan_step(config, runner=runner, kv=kv, max_model_len=max_model_len)
-    log.info("%s", step_plan.log_line())
-    # after the probes: their pages are no one's prefix
-    kv.pool.events = build_recorder(config.kv_events_config, block_size=config.page_size)
-    connector_name, connector_opts = connector_options(config.kv_connector, config.kv_connector_config)
-    if connector_name:
-        kv.connector = build_kv_transfer(
-            registry, connector_name, connector_opts, ctx, runner, model_id=f"{_hash_seed(source, model_cfg):016x}"
-        )
-        if kv.pool.events is not None:  # the store's tiers report with their medium
-            kv.connector.attach_events(kv.pool.events)
-    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=step_plan.max_num_batched_tokens)
-    components = Components(
-        config=config,
-        accelerator=accelerator,
-        accelerator_name=acc_entry.name,
-        backend_name=backend_entry.name,
-        model_loader_name=loader_entry.name,
-        source=source,
-        model_config=model_cfg,
-        dtype=dtype,
-        device=device,
-        ops=ops,
-        op_sources=op_sources,
-        num_pages=num_pages,
-        step_plan=step_plan,
-    )
-    spec = None
-    if config.speculative_method:
-        draft = dict(registry=registry, ctx=ctx, ops=ops, backend=backend_entry.name, num_pages=num_pages, page_size=config.page_size)
-        spec = build_spec_decoder(config, registry, ctx, model_cfg, tokenizer, draft)
-        runner.keep_hidden = spec.wants_hidden
-    log.info("engine ready: %s", components.describe())
-    return LLMEngine(
-        runner=runner,
-        tokenizer=tokenizer,
-        model_config=model_cfg,
-        scheduler=scheduler,
-        max_model_len=max_model_len,
-        components=components,
-        spec=spec,
-    )
+    if world is not None:
+        if len(plan.pages) > 1:  # the step payload carries one block table per sequence
+            raise ConfigError(
+                f"{model_cfg.architecture}: a model with {len(plan.pages)} KV-cache groups (sliding-window layers) "
+                "runs in one process only, for now"
+            )
+        plan = KVPoolPlan([world.agree_num_pages(plan.pages[0])], plan.page_bytes, plan.budget)
+    if min(plan.pages) < 1:
+        where = "" if world is None else " on some rank"
+        raise ConfigError(f"no memory left for the KV cache{where} (budget {plan.budget} bytes, one page takes {sum(plan.page_bytes)})")
+    if first:
+        log.info(
+            "KV cache: %s pages x %d tokens (%.2f GiB, %s)",
+            "+".join(map(str, plan.pages)), config.page_size, plan.total_bytes / (1 << 30), str(dtype).removeprefix("torch."),
+        )  # fmt: skip
+    return Started(
+        registry=registry, ctx=ctx, accelerator=accelerator, accelerator_name=acc_entry.name, backend_name=backend_entry.name,
+        loader_name=loader_entry.name, source=source, model_cfg=model_cfg, tokenizer=tokenizer, model=model, ops=ops,
+        op_sources=op_sources, device=device, dtype=dtype, max_model_len=max_model_len, plan=plan, groups=groups,
+    )  # fmt: skip
 
 
 # ---- speculative decoding -----------------------------------------------------------------

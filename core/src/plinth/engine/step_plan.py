@@ -201,7 +201,7 @@ def prefill_forward(runner: Any, kv: Any) -> Callable[[int], None]:
             raise RuntimeError(f"the KV pool cannot hold a {n}-token probe")
         try:
             batch = ScheduledBatch(seqs=[seq], num_tokens=[n], block_tables=[kv.block_table(seq)])
-            runner.execute(batch, [n - 1])  # logits come back to the host: the forward has finished
+            runner.execute(batch, [n - 1]).cpu()  # logits to the host: the forward has finished
         finally:
             kv.free(seq)
 

@@ -1,36 +1,45 @@
-"""A worker rank (every rank but 0): set up as rank 0 does, then run each
-step rank 0 sends until it says stop. Its exit status says why it ended:
-0 stopped by rank 0, 1 failed (a collective error or timeout: rank 0 died or
-hung, or a rank of its groups did)."""
+"""A worker rank (every rank but 0): started as ``python -m
+plinth.engine.worker --rank R --local-rank L --port P`` with its pickled
+``EngineConfig`` on stdin (``distributed.WorkerProcess``), it starts as rank
+0 does (``startup.start_process``), then runs each step rank 0 sends until it
+says stop. Its exit status says why it ended: 0 stopped by rank 0, 1 failed
+(a collective error or timeout: rank 0 died or hung, or a rank of its groups
+did)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import pickle
 import sys
 
 import torch
 
 from plinth.engine.config import EngineConfig
+from plinth.engine.distributed import (
+    OP_NOOP,
+    OP_STEP,
+    OP_STOP,
+    RankForward,
+    RankJoin,
+    check_supported,
+    control,
+    make_store,
+    metadata_from,
+    resolve_layout,
+    spawn_workers,
+    stop_workers,
+    unpack_step,
+)
+from plinth.engine.startup import start_process
+from plinth.plugins import PluginRegistry
 
 log = logging.getLogger("plinth.worker")
 
 
 def worker_main(config: EngineConfig, rank: int, local_rank: int, port: int) -> int:
     import torch.distributed as dist
-
-    from plinth.engine.distributed import (
-        OP_NOOP,
-        OP_STEP,
-        OP_STOP,
-        RankForward,
-        control,
-        make_store,
-        metadata_from,
-        setup_rank,
-        unpack_step,
-    )  # fmt: skip
-    from plinth.engine.model_runner import ModelRunner
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s")
@@ -41,18 +50,15 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, port: int) -> 
             raise SystemExit(f"rank {rank}: its launcher exited")
 
     try:
-        store = make_store(config, False, port)
-        setup = setup_rank(config, None, rank, local_rank, store, alive)
-        layout, g = setup.layout, setup.groups
-        runner = ModelRunner(
-            setup.model, setup.ops, setup.model_cfg, device=setup.device, dtype=setup.dtype,
-            num_pages=setup.num_pages + 1, page_size=config.page_size,
-        )  # fmt: skip
-        forward = RankForward(setup, runner)
+        world = RankJoin(config, rank, local_rank, make_store(config, False, port), alive)
+        started = start_process(config, PluginRegistry.discover(), world)
+        forward = RankForward(config, started)
+        layout, g = world.layout, world.groups
+        assert g is not None
         header = torch.zeros(2, dtype=torch.long)
         while True:
             header.zero_()
-            control(header, setup.ctrl)
+            control(header, world.ctrl)
             op, n = int(header[0]), int(header[1])
             if op == OP_NOOP:
                 continue
@@ -61,15 +67,15 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, port: int) -> 
             if op != OP_STEP:
                 raise RuntimeError(f"rank {rank}: unknown control op {op}")
             payload = torch.empty(n, dtype=torch.long)
-            dist.broadcast(payload, src=0, group=setup.ctrl)
+            dist.broadcast(payload, src=0, group=world.ctrl)
             decode, mine, _ = unpack_step(payload, layout.dp, g.dp_rank)
             if mine is None:
                 forward.run(None, None, [], [], decode)
                 continue
-            ids, meta, rows, copies = metadata_from(mine, config.page_size, setup.device, decode)
+            ids, meta, rows, copies = metadata_from(mine, config.page_size, started.device, decode)
             logits = forward.run(ids, meta, rows, copies, decode)
             if g.dp_rank > 0 and g.tp_rank == 0 and logits is not None:
-                dist.send(logits.contiguous(), dst=0, group=setup.ctrl)
+                dist.send(logits.contiguous(), dst=0, group=world.ctrl)
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - reported, then a non-zero exit
@@ -80,3 +86,31 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, port: int) -> 
     except Exception:  # noqa: BLE001
         pass
     return 0
+
+
+def run_node(config: EngineConfig) -> int:
+    """A node other than 0 (``--node-rank k``): run its ranks until rank 0 stops them."""
+    layout = resolve_layout(config)
+    check_supported(config, layout)
+    per_node = layout.world // config.nnodes
+    procs = spawn_workers(config, layout, config.node_rank, int(config.master_port))
+    try:
+        return worker_main(config, config.node_rank * per_node, 0, int(config.master_port))
+    finally:
+        stop_workers(procs, kill=False, timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m plinth.engine.worker", description="one worker rank (started by rank 0)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    config = pickle.load(sys.stdin.buffer)
+    if not isinstance(config, EngineConfig):
+        raise SystemExit(f"rank {args.rank}: stdin did not hold an EngineConfig")
+    return worker_main(config, args.rank, args.local_rank, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

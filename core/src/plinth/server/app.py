@@ -1,8 +1,8 @@
 """The FastAPI app: routes, error handling, API keys, the body-size limit and metrics.
 
-``build_app(engine, settings)`` takes a started ``AsyncLLM`` (or anything
-with its interface) and returns an ASGI app; several apps can live in one
-process (each has its own metrics registry).
+``build_app(engine, settings)`` takes a started ``EngineClient``
+(``AsyncLLM``) and returns an ASGI app; the app uses only that interface.
+Several apps can live in one process (each has its own metrics registry).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plinth import __version__
+from plinth.engine.interfaces import EngineClient
 from plinth.server import anthropic_api, openai_api, openapi, responses_api
 from plinth.server.errors import APIError, error_body, error_bytes, is_anthropic_path, validation_message
 from plinth.server.generation import GenerationPipeline
@@ -154,11 +155,6 @@ class MetricsMiddleware:
             self.counter.labels(scope.get("method", ""), route, str(status[0])).inc()
 
 
-def kv_connector_of(engine: Any) -> Any:
-    """The engine's KV transfer (``plinth.engine.kv_transfer.KVTransfer``), or None."""
-    return getattr(getattr(getattr(engine, "engine", engine), "kv", None), "connector", None)
-
-
 class KVSaveBarrierMiddleware:
     """On a prefill instance (``kv_role`` kv_producer): hold the last body
     message of a generation request until the KV pages handed to the
@@ -184,7 +180,7 @@ class KVSaveBarrierMiddleware:
         await self.app(scope, receive, send_wrapper)
 
 
-def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings(served_model_names=["default"])
     if settings.api_key is None:
         settings.api_key = os.environ.get(API_KEY_ENV) or None
@@ -235,20 +231,18 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(anthropic_api.router(anthropic_api.AnthropicServing(ctx, pipeline)))
     app.include_router(responses_api.router(responses_api.ResponsesServing(ctx, pipeline)))
 
-    def _alive() -> bool:
-        thread = getattr(engine, "_thread", None)
-        return thread is None or thread.is_alive()
-
-    transfer = kv_connector_of(engine)
+    transfer = engine.kv_transfer()
 
     @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def health() -> Response:
-        """503 when the engine thread is gone; 200 with ``"status":
-        "degraded"`` and the reason when the KV connector's store is
-        unhealthy or its circuit is open (the server still serves: those
-        tokens are recomputed); 200 ``ok`` otherwise."""
-        if not _alive():
-            return JSONResponse({"status": "engine thread is not running"}, status_code=503)
+        """503 with the reason when the engine loop is gone (a dead rank);
+        200 with ``"status": "degraded"`` and the reason when the KV
+        connector's store is unhealthy or its circuit is open (the server
+        still serves: those tokens are recomputed); 200 ``ok`` otherwise
+        (draining too: the process is alive)."""
+        ok, why = engine.health()
+        if not ok:
+            return JSONResponse({"status": why}, status_code=503)
         if transfer is not None:
             ok, why = transfer.health()
             if not ok:
@@ -257,8 +251,10 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.api_route("/ready", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def ready() -> Response:
-        if not _alive() or getattr(engine, "_stop", False):
-            return JSONResponse({"status": "not ready"}, status_code=503)
+        """503 with the reason while new requests are refused (draining, failed)."""
+        ok, why = engine.accepting()
+        if not ok:
+            return JSONResponse({"status": why}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
@@ -271,15 +267,10 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     async def version() -> VersionResponse:
         from plinth.api import PLUGIN_API_VERSION
 
-        inner = getattr(engine, "engine", None)
-        comps = getattr(inner, "components", None)
-        described: dict[str, Any] = {}
-        if comps is not None:
-            try:
-                described = json.loads(json.dumps(comps.describe(), default=str))
-            except Exception as exc:  # describe() is informational
-                described = {"error": f"{type(exc).__name__}: {exc}"}
-        described.setdefault("max_model_len", engine.max_model_len)
+        try:
+            described = json.loads(json.dumps(engine.describe(), default=str))
+        except Exception as exc:  # describe() is informational
+            described = {"error": f"{type(exc).__name__}: {exc}", "max_model_len": engine.max_model_len}
         return VersionResponse(
             version=__version__, plugin_api=PLUGIN_API_VERSION, models=settings.served_model_names, engine=described
         )

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ log = logging.getLogger("plinth.server")
 #: the server's own options: kept out of the engine's plugin_options
 SERVER_OPTIONS = (
     "host", "port", "api_key", "served_model_name", "enable_metrics", "vllm_metric_names", "max_request_body_size",
-    "max_waiting_requests", "uvicorn_log_level", "tool_call_parser", "reasoning_parser", "role",
+    "max_waiting_requests", "uvicorn_log_level", "tool_call_parser", "reasoning_parser", "role", "shutdown_timeout",
 )  # fmt: skip
 
 #: --role -> the KV connector's kv_role (vLLM's names)
@@ -58,6 +58,15 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="prefill/decode disaggregation behind `platform proxy`: prefill saves every prompt's KV through the "
         "--kv-connector and answers once it is stored; decode loads it (kv_role kv_producer / kv_consumer; "
         "default: both)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT: new requests get 503, running ones may finish for this long, then are aborted "
+        "(their streams end with finish_reason abort); KV saves are flushed and the server exits 0. A second "
+        "signal stops at once (default: 30)",
     )
     g.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)")
     # the names are plugin registrations (`platform plugins`): checked at start-up, with every candidate's reasons
@@ -147,6 +156,8 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
         raise ConfigError("--max-request-body-size must be >= 1")
     if args.max_waiting_requests < 1:
         raise ConfigError("--max-waiting-requests must be >= 1")
+    if not args.shutdown_timeout >= 0:
+        raise ConfigError("--shutdown-timeout must be >= 0")
     kwargs = dict(engine_kwargs)
     kwargs["plugin_options"] = {k: v for k, v in (kwargs.get("plugin_options") or {}).items() if k not in SERVER_OPTIONS}
     kwargs["max_waiting_requests"] = args.max_waiting_requests
@@ -194,32 +205,46 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
             timeout_graceful_shutdown=5,
             access_log=str(args.uvicorn_log_level).lower() in ("debug", "trace", "info"),
         )
-        server = _server_class(uvicorn)(uconfig)
+        server = _server_class(uvicorn)(uconfig, engine=engine, shutdown_timeout=args.shutdown_timeout)
         server.run(sockets=[sock])
-        if getattr(server, "stopped_by", None):
+        if server.stopped_by:
             log.info("stopped by %s", ", ".join(signal.Signals(s).name for s in server.stopped_by))
     finally:
-        engine.shutdown()
+        engine.close()
         sock.close()
     return 0
 
 
 def _server_class(uvicorn: Any) -> Any:
-    """uvicorn's Server, except that SIGINT/SIGTERM end a graceful shutdown
-    with exit status 0 instead of being raised again once it is done."""
+    """uvicorn's Server, except that the first SIGTERM or SIGINT drains the
+    engine (``EngineClient.drain``: 503 with the reason for new requests,
+    running ones finish up to the shutdown timeout, the rest are aborted with
+    a clean end of stream) and only then stops uvicorn, with exit status 0. A
+    second signal stops uvicorn at once, a third forces it."""
 
     class Server(uvicorn.Server):
-        stopped_by: list[int] = []
+        def __init__(self, config: Any, *, engine: Any, shutdown_timeout: float) -> None:
+            super().__init__(config)
+            self.engine = engine
+            self.shutdown_timeout = shutdown_timeout
+            self.stopped_by: list[int] = []
+            self.drainer: threading.Thread | None = None
 
-        @contextlib.contextmanager
-        def capture_signals(self) -> Any:
-            with super().capture_signals():
-                try:
-                    yield
-                finally:
-                    captured = getattr(self, "_captured_signals", None)
-                    if isinstance(captured, list):
-                        self.stopped_by = list(captured)
-                        captured.clear()
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.stopped_by.append(sig)
+            if self.drainer is None:
+                log.info("%s: draining (up to %.0f s)", signal.Signals(sig).name, self.shutdown_timeout)
+                self.drainer = threading.Thread(target=self._drain, name="plinth-drain", daemon=True)
+                self.drainer.start()
+            elif self.should_exit:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+        def _drain(self) -> None:
+            aborted = self.engine.drain(self.shutdown_timeout, "the server is shutting down")
+            if aborted:
+                log.warning("aborted %d request(s) still running after %.0f s", aborted, self.shutdown_timeout)
+            self.should_exit = True
 
     return Server

@@ -88,7 +88,7 @@ def error_bytes(path: str, err: APIError) -> bytes:
 
 def engine_exception(exc: BaseException) -> APIError:
     """Map what ``AsyncLLM.generate`` raises to an answer."""
-    from plinth.engine.async_engine import EngineError, EngineOverloaded
+    from plinth.engine.interfaces import EngineDraining, EngineError, EngineOverloaded
 
     if isinstance(exc, APIError):
         return exc
@@ -96,6 +96,8 @@ def engine_exception(exc: BaseException) -> APIError:
         return APIError.from_request_error(exc)
     if isinstance(exc, EngineOverloaded):
         return APIError(503, str(exc), code="overloaded", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDraining):
+        return APIError(503, str(exc), code="shutting_down")
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), code="engine_error")
     log.exception("unexpected error while serving a request", exc_info=exc)

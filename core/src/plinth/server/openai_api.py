@@ -175,10 +175,7 @@ class OpenAIServing:
     # ---- /v1/models -------------------------------------------------------------------
 
     def models(self) -> ModelList:
-        root = None
-        comps = getattr(self.ctx.engine.engine, "components", None) if hasattr(self.ctx.engine, "engine") else None
-        if comps is not None:
-            root = comps.source.path
+        root = self.ctx.engine.describe().get("model")
         return ModelList(
             data=[ModelCard(id=name, root=root, max_model_len=self.ctx.engine.max_model_len) for name in self.ctx.settings.served_model_names]
         )

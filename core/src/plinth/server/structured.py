@@ -331,7 +331,8 @@ class XGrammarState:
         self.matcher.fill_next_token_bitmask(self.bitmask)
         width = logits.shape[-1]
         row = logits.unsqueeze(0)
-        xgr.apply_token_bitmask_inplace(row, self.bitmask, vocab_size=min(width, self.vocab_size))
+        # the logits stay on the model's device; the matcher fills a host bitmask
+        xgr.apply_token_bitmask_inplace(row, self.bitmask.to(row.device), vocab_size=min(width, self.vocab_size))
         if width > self.vocab_size:
             row[0, self.vocab_size :] = float("-inf")
 

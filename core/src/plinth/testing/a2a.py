@@ -4,7 +4,9 @@ On every rank, random routing (some experts get no token, some ranks send
 no token, all tokens to one rank's experts) goes through dispatch, experts
 that multiply by a known factor (identity experts, and f_e(x) = (e + 1) x so
 a token reaching the wrong expert shows), then combine; the result must be
-sum_k w_k f_{e_k}(x) for every token. Both layouts (``decode=False`` and
+sum_k w_k f_{e_k}(x) for every token, with 3 experts a rank and with one
+expert more than the group divides (the first ranks own one more, as
+``plinth.api.expert_ranges`` says). Both layouts (``decode=False`` and
 ``True``) are checked, in float32 and bfloat16, and a float8 dispatch must
 deliver the bytes sent. The layout's bookkeeping is checked too: local ids
 in range, per-expert counts equal to the pairs received.
@@ -49,24 +51,34 @@ def planned(world: int, hidden: int, num_experts: int, device_type: str = "", ca
     )  # fmt: skip
 
 
-def a2a_rank(rank: int, world: int, name: str, seed: int = 0, device_type: str = "") -> list[tuple[bool, str, str]]:
-    """One rank's round trips (run by ``run_ranks``): [(ok, what, detail)]."""
+def a2a_rank(rank: int, world: int, name: str, seed: int = 0, uneven: bool = True, device_type: str = "") -> list[tuple[bool, str, str]]:
+    """One rank's round trips (run by ``run_ranks``): [(ok, what, detail)],
+    with 3 experts a rank and, when ``uneven``, with one expert more than
+    that (rank 0 owns 4: ``plinth.api.expert_ranges``)."""
+    out: list[tuple[bool, str, str]] = []
+    for num_experts in (3 * world, 3 * world + 1) if uneven else (3 * world,):
+        tag = f"{num_experts} experts"
+        out += [(ok, f"{tag}, {what}", detail) for ok, what, detail in _round_trips(rank, world, name, seed, num_experts, device_type)]
+    return out
+
+
+def _round_trips(rank: int, world: int, name: str, seed: int, num_experts: int, device_type: str) -> list[tuple[bool, str, str]]:
     import torch
     import torch.distributed as dist
 
-    from plinth.api import SelectionContext
+    from plinth.api import SelectionContext, expert_ranges
     from plinth.testing.registration import discover_all
 
     out: list[tuple[bool, str, str]] = []
     entry = discover_all().get("a2a", name)
     cls = entry.load()
-    per, hidden = 3, 40
-    num_experts = per * world
+    hidden = 40
+    ranges = expert_ranges(num_experts, world)
+    per, start = len(ranges[rank]), ranges[rank].start
     ctx = SelectionContext(ep=world, layout=planned(world, hidden, num_experts, device_type))
     a2a = cls(ctx, group=dist.group.WORLD, num_experts=num_experts, hidden_size=hidden)
     a2a.reserve_buffers()  # every rank together, as the engine does at start-up
-    start = rank * per
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    g = torch.Generator().manual_seed(seed * 1000 + rank + num_experts * 7)
 
     def routing(tokens: int, top_k: int, allowed: list[int]) -> tuple[Any, Any]:
         scores = torch.rand(tokens, len(allowed), generator=g)
@@ -75,12 +87,12 @@ def a2a_rank(rank: int, world: int, name: str, seed: int = 0, device_type: str =
         weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
         return weights, ids
 
-    last_rank_experts = set(range(num_experts - per, num_experts))
+    last_rank_experts = set(ranges[-1])
     cases = [
         # (label, tokens on this rank, top_k, experts allowed)
         ("uneven tokens, the last rank's experts get none", 5 + 3 * rank, 2, [e for e in range(num_experts) if e not in last_rank_experts]),
         ("rank 1 sends nothing", 0 if rank == 1 else 7, 3, list(range(num_experts))),
-        ("every token to rank 0's experts", 4 + rank, 2, list(range(per))),
+        ("every token to rank 0's experts", 4 + rank, 2, list(ranges[0])),
         ("one token, top-k over every rank", 1, min(num_experts, world + 1), list(range(num_experts))),
     ]
     for label, tokens, top_k, allowed in cases:
@@ -123,9 +135,11 @@ def a2a_rank(rank: int, world: int, name: str, seed: int = 0, device_type: str =
     return out
 
 
-def check_a2a(name: str, *, worlds: tuple[int, ...] = (2, 4), backend: str | None = None, timeout: float = 180.0) -> Report:
+def check_a2a(name: str, *, worlds: tuple[int, ...] = (2, 4), backend: str | None = None, timeout: float = 180.0, uneven: bool = True) -> Report:
     """``name``'s dispatch/combine round trips on ``worlds`` real processes
-    (the group backend: the best available accelerator's, gloo on CPU)."""
+    (the group backend: the best available accelerator's, gloo on CPU),
+    with expert counts the group divides and, when ``uneven``, one it does
+    not (every a2a plugin should take those; DeepEP's kernels cannot)."""
     from plinth.api import SelectionContext
     from plinth.testing.distributed import run_ranks
     from plinth.testing.registration import discover_all
@@ -140,7 +154,7 @@ def check_a2a(name: str, *, worlds: tuple[int, ...] = (2, 4), backend: str | Non
         return report.raise_for_problems()
     backend = backend or info.dist_backend
     for world in worlds:
-        per_rank = run_ranks(a2a_rank, world, name, 0, info.device_type, backend=backend, timeout=timeout)
+        per_rank = run_ranks(a2a_rank, world, name, 0, uneven, info.device_type, backend=backend, timeout=timeout)
         for rank, results in enumerate(per_rank):
             for ok, what, detail in results:
                 report.expect(ok, f"{world} ranks, rank {rank}: {what}", detail)

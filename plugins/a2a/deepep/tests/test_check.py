@@ -73,11 +73,10 @@ def test_each_upstream_limit_is_refused_with_its_number(fake_installed, monkeypa
 
 @no_gpu
 def test_start_up_with_a2a_deepep_fails_with_its_reasons_before_any_model_loads():
-    from plinth.engine.config import EngineConfig
-    from plinth.engine.startup import build_engine
+    from plinth import LLM
 
     with pytest.raises(PluginError) as err:  # the model path does not exist: nothing was located or loaded
-        build_engine(EngineConfig(model="/nonexistent/model", ep=2, a2a="deepep", device="cpu"))
+        LLM("/nonexistent/model", ep=2, a2a="deepep", device="cpu")
     assert "deep_ep is not installed" in str(err.value) and "needs CUDA SM90+" in str(err.value)
 
 

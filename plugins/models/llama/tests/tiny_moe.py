@@ -25,6 +25,11 @@ def tiny_config(name: str):
             **common, head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=2, norm_topk_prob=True,
         )
+    if name == "qwen3moe5":  # 5 experts: an ep group of 2 splits them 3 + 2
+        return transformers.Qwen3MoeConfig(
+            **common, head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=5,
+            num_experts_per_tok=2, norm_topk_prob=True,
+        )
     if name == "qwen2moe":  # q/k/v biases, shared expert with its sigmoid gate, raw top-k weights, a dense layer
         return transformers.Qwen2MoeConfig(
             **common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from plinth.api import AllToAll, DispatchedTokens, SelectionContext
+from plinth.api import AllToAll, DispatchedTokens, SelectionContext, expert_ranges
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -62,9 +62,10 @@ class CollectiveAllToAll(AllToAll):
         super().__init__(ctx, group=group, num_experts=num_experts, hidden_size=hidden_size)
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        if num_experts % self.size:
-            raise ValueError(f"nccl a2a: {num_experts} experts do not split evenly over {self.size} ranks")
-        self.per_rank = num_experts // self.size
+        ranges = expert_ranges(num_experts, self.size)  # uneven: the first E % size ranks own one more
+        self.per_rank = len(ranges[self.rank])  # this rank's experts
+        #: the first global expert of each rank, and E after the last
+        self.starts = torch.tensor([r.start for r in ranges] + [num_experts])
         self.decode_layout = decode_layout or str(ctx.options.get("nccl_decode_layout", "padded"))
         if self.decode_layout not in ("padded", "flat"):
             raise ValueError(f"nccl a2a: decode layout must be padded or flat, not {self.decode_layout!r}")
@@ -78,7 +79,8 @@ class CollectiveAllToAll(AllToAll):
         num_tokens, top_k = topk_ids.shape
         dev, per = hidden.device, self.per_rank
         ids = topk_ids.long()
-        dest = ids // per  # [T, K] owning rank of each choice
+        starts = self.starts.to(dev)
+        dest = torch.searchsorted(starts[1:-1], ids, right=True)  # [T, K] owning rank of each choice
         in_rank = torch.zeros(num_tokens, self.size, dtype=torch.bool, device=dev)
         in_rank.scatter_(1, dest, True)
         send_counts = in_rank.sum(0)
@@ -92,8 +94,8 @@ class CollectiveAllToAll(AllToAll):
         pairs = order[: sum(send)]
         to_rank, send_tokens = pairs // num_tokens, pairs % num_tokens
 
-        local = ids.index_select(0, send_tokens) - (to_rank * per).unsqueeze(1)
-        here = (local >= 0) & (local < per)
+        local = ids.index_select(0, send_tokens) - starts[to_rank].unsqueeze(1)
+        here = (local >= 0) & (local < (starts[to_rank + 1] - starts[to_rank]).unsqueeze(1))
         meta = torch.cat(
             (torch.where(here, local, -1).to(torch.float32), torch.where(here, topk_weights.index_select(0, send_tokens).float(), 0.0)), 1
         )

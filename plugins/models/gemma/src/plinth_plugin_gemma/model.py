@@ -2,7 +2,8 @@
 
 Per layer: rms_norm, one fused q/k/v linear, per-head q/k rms norms, rotary
 with the layer's own table (local base for sliding-window layers, global
-base for the rest), paged attention (the window passed to the op), the
+base for the rest), paged attention (the window passed to the op, the
+pages those of the layer's KV group: ``kv_cache_specs``), the
 output linear, then the post-attention norm and the residual add fused with
 the pre-MLP norm; one fused gate/up linear, GeGLU with gelu-tanh, the down
 linear, the post-MLP norm fused with the residual add and the next layer's
@@ -20,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-from plinth.api import AttentionMetadata
+from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 from plinth_plugin_gemma.arch import GemmaArch
 
@@ -75,8 +76,8 @@ class Gemma3ForCausalLM(torch.nn.Module):
             q = rms_norm(q.reshape(num_tokens, self.num_heads, head_dim), layer.q_norm, eps)
             k = rms_norm(k.reshape(num_tokens, self.num_kv_heads, head_dim), layer.k_norm, eps)
             q, k = rotary(q, k, positions, layer.cos_sin, True)
-            out = attention(
-                q, k, v.reshape(num_tokens, self.num_kv_heads, head_dim), kv_cache, meta,
+            out = attention(  # with the pages of the layer's KV group (sliding and global layers differ)
+                q, k, v.reshape(num_tokens, self.num_kv_heads, head_dim), kv_cache, meta.for_layer(i),
                 scale=scale, sliding_window=layer.sliding_window,
             )
             attn = rms_norm(linear(out.reshape(num_tokens, q_size), layer.o_proj), layer.post_attn_norm, eps)
@@ -86,6 +87,16 @@ class Gemma3ForCausalLM(torch.nn.Module):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, residual = rms_norm(mlp, next_norm, eps, residual)
         return x if self.layers else rms_norm(hidden, self.norm, eps)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Per layer: K/V for every token (global layers), or for the last
+        ``window`` (sliding layers: their own KV group, whose pages behind
+        the window go back to the pool)."""
+        heads, d = self.num_kv_heads, self.arch.head_dim
+        return [
+            SlidingWindowSpec(heads, d, window=layer.sliding_window) if layer.sliding_window else FullAttentionSpec(heads, d)
+            for layer in self.layers
+        ]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.ops.linear(hidden, self.lm_head).float()

@@ -10,8 +10,9 @@ r * kv_heads // tp, the one its query heads read); dense MLPs column/row
 parallel (one all-reduce); the vocabulary split in equal slices for the
 embedding (masked lookup, all-reduce) and the output head (all-gather).
 Experts: with ep = 1 each expert's intermediate dimension splits over tp
-like a dense MLP; with ep > 1 rank r of the ep group keeps experts
-r * E / ep .. (r + 1) * E / ep - 1 whole and tokens travel through the a2a
+like a dense MLP; with ep > 1 rank r of the ep group keeps its contiguous
+run of experts whole (``plinth.api.expert_ranges``: when ep does not divide
+E the first E % ep ranks keep one more) and tokens travel through the a2a
 plugin (tp ranks of a group hold the same tokens, so each dispatches only
 its 1/tp slice of them and the tp all-reduce puts the slices together).
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from plinth.api import ConfigError, LoadContext
+from plinth.api import ConfigError, LoadContext, expert_ranges
 
 
 @dataclass
@@ -63,8 +64,6 @@ class Parallel:
         if num_kv_heads % tp and tp % num_kv_heads:
             raise ConfigError(f"tp={tp} and the {num_kv_heads} KV heads: one must divide the other")
         if num_experts and self.ep_size > 1:
-            if num_experts % self.ep_size:
-                raise ConfigError(f"ep={self.ep_size} does not divide the {num_experts} experts")
             if self.a2a is None:
                 raise ConfigError("ep > 1 needs an a2a plugin to move tokens between ranks")
 
@@ -92,8 +91,8 @@ class Parallel:
         return self.tp_rank * per, per
 
     def local_experts(self, num_experts: int) -> range:
-        per = num_experts // self.ep_size
-        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+        """This ep rank's experts (uneven splits as ``expert_ranges`` says)."""
+        return expert_ranges(num_experts, self.ep_size)[self.ep_rank]
 
     def token_slice(self, num_tokens: int) -> slice:
         """The tokens this tp rank dispatches to the experts (ep > 1)."""

@@ -1,0 +1,76 @@
+"""The engine's modules import each other without a circle, counting the
+imports inside functions too (a function-level import hides a circle; it
+does not remove it). The layers, lowest first: interfaces, the engine of one
+process, start-up, the distributed engine, the worker and the factory that
+chooses between them, the clients (AsyncLLM, LLM)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import plinth.engine
+
+ENGINE = Path(plinth.engine.__file__).parent
+PACKAGE = "plinth.engine"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the plinth.engine modules it imports, anywhere in its code."""
+    graph: dict[str, set[str]] = {}
+    names = {p.stem for p in ENGINE.glob("*.py") if p.stem != "__init__"}
+    for name in names:
+        tree = ast.parse((ENGINE / f"{name}.py").read_text())
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == PACKAGE:  # from plinth.engine import x
+                    deps.update(a.name for a in node.names if a.name in names)
+                elif node.module.startswith(PACKAGE + "."):
+                    deps.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[2] for a in node.names if a.name.startswith(PACKAGE + "."))
+        graph[name] = deps - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_sees_a_circle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_circle_in_the_engine() -> None:
+    graph = import_graph()
+    assert {"engine", "startup", "distributed", "worker", "factory", "interfaces"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle among engine modules: " + " -> ".join(cycle)
+
+
+def test_layers() -> None:
+    graph = import_graph()
+    assert graph["interfaces"] == set()  # every engine module may import it
+    assert "startup" not in graph["engine"] and "factory" not in graph["engine"]
+    assert not {"distributed", "worker", "factory", "engine"} & graph["startup"]
+    assert "worker" not in graph["distributed"]  # ranks start as `python -m plinth.engine.worker`, by name

@@ -1,0 +1,1 @@
+"""plinth model plugin for DeepSeek-V3 (DeepseekV3ForCausalLM)."""

@@ -1,0 +1,304 @@
+"""Loading DeepseekV3ForCausalLM checkpoints (DeepSeek-V3/R1, Kimi K2) from
+a Hugging Face folder of safetensors (sharded or not)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from typing import Any, Sequence
+
+import torch
+from plinth.api import (
+    BASE_OPS,
+    ConfigError,
+    LoadContext,
+    ModelConfig,
+    ModelLoader,
+    ModelSource,
+    Tokenizer,
+    iter_safetensors,
+    load_hf_config,
+)
+
+from plinth_plugin_deepseek.model import DeepseekArch, DeepseekLayer, DeepseekRouter, DeepseekV3ForCausalLM
+
+log = logging.getLogger("plinth.deepseek")
+
+_GLOBAL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+_LAYER = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.q_a_proj.weight": "q_a",
+    "self_attn.q_a_layernorm.weight": "q_a_norm",
+    "self_attn.q_b_proj.weight": "q_b",
+    "self_attn.kv_a_proj_with_mqa.weight": "kv_a",
+    "self_attn.kv_a_layernorm.weight": "kv_a_norm",
+    "self_attn.kv_b_proj.weight": "kv_b",
+    "self_attn.o_proj.weight": "o_proj",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+    "mlp.gate.weight": "router",
+    "mlp.gate.e_score_correction_bias": "router_bias",
+    "mlp.shared_experts.gate_proj.weight": "shared_gate",
+    "mlp.shared_experts.up_proj.weight": "shared_up",
+    "mlp.shared_experts.down_proj.weight": "shared_down",
+    # transformers 5's in-memory fused experts
+    "mlp.experts.gate_up_proj": "experts_gate_up",
+    "mlp.experts.down_proj": "experts_down",
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+#: kept in float32 whatever the model's dtype, as transformers keeps them
+_FLOAT32 = ("router", "router_bias")
+
+
+def _map_name(name: str) -> tuple[int | None, str] | None:
+    if name in _GLOBAL:
+        return None, _GLOBAL[name]
+    m = _LAYER_RE.match(name)
+    if not m:
+        return None
+    if m.group(2) in _LAYER:
+        return int(m.group(1)), _LAYER[m.group(2)]
+    e = _EXPERT_RE.match(m.group(2))
+    if e:
+        return int(m.group(1)), f"expert.{int(e.group(1))}.{e.group(2).removesuffix('_proj')}"
+    return None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+# ---- rope: transformers' modeling_rope_utils (default, yarn), operation for operation in float32 ----
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inv_freq_and_scaling(rope: dict, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2], cos/sin scaling) of the rope part."""
+    base = float(rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", "default")
+    default = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    if kind == "default":
+        return default, 1.0
+    if kind != "yarn":
+        raise ConfigError(f"rope type {kind!r} is not supported by the deepseek plugin (default, yarn)")
+    original_max = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_position_embeddings / original_max
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
+def softmax_scale(arch: DeepseekArch) -> float:
+    """1/sqrt(qk_head_dim), times yarn's mscale(factor, mscale_all_dim)
+    squared: MLA scales the non-rotary dims too (transformers'
+    ``yarn_apply_mscale``, DeepSeek's ``softmax_scale``)."""
+    scale = (arch.qk_nope_head_dim + arch.qk_rope_head_dim) ** -0.5
+    rope = arch.rope
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        m = _yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
+
+
+def cos_sin_table(arch: DeepseekArch) -> torch.Tensor:
+    """[max_positions, rope_dim] float32: cos of every position's angles, then their sin."""
+    inv_freq, scaling = inv_freq_and_scaling(arch.rope, arch.qk_rope_head_dim, arch.max_position_embeddings)
+    angles = torch.arange(arch.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos() * scaling, angles.sin() * scaling), dim=-1)
+
+
+class DeepseekLoader(ModelLoader):
+    """Builds DeepseekV3ForCausalLM."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, Tokenizer] = {}
+
+    @staticmethod
+    def hf_config(source: ModelSource) -> dict[str, Any]:
+        if source.format != "hf":
+            raise ConfigError("the deepseek plugin loads Hugging Face folders of safetensors, not GGUF")
+        return dict(source.hf_config or load_hf_config(source.path))
+
+    def load_tokenizer(self, source: ModelSource) -> Tokenizer:
+        if source.path not in self._tokenizers:
+            self._tokenizers[source.path] = Tokenizer.from_hf_dir(source.path)
+        return self._tokenizers[source.path]
+
+    def load_config(self, source: ModelSource) -> ModelConfig:
+        cfg = self.hf_config(source)
+        arch = DeepseekArch.from_hf(cfg)
+        eos, bos = _ids(cfg.get("eos_token_id")), cfg.get("bos_token_id")
+        gen_path = os.path.join(source.path, "generation_config.json")
+        if os.path.exists(gen_path):
+            with open(gen_path) as f:
+                gen = json.load(f)
+            eos += _ids(gen.get("eos_token_id"))
+            bos = bos if bos is not None else gen.get("bos_token_id")
+        try:
+            tokenizer = self.load_tokenizer(source)
+            eos += tokenizer.eos_token_ids
+            bos = bos if bos is not None else tokenizer.bos_token_id
+        except ConfigError as exc:
+            log.warning("no tokenizer for %s: %s", source.path, exc)
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+        return ModelConfig(
+            architecture="DeepseekV3ForCausalLM",
+            vocab_size=arch.vocab_size,
+            hidden_size=arch.hidden_size,
+            num_layers=arch.num_layers,
+            num_heads=arch.num_heads,
+            # the cache is one latent "head" per token: kv_lora_rank + the rope key, no separate V
+            num_kv_heads=1,
+            head_dim=arch.kv_lora_rank + arch.qk_rope_head_dim,
+            v_head_dim=0,
+            max_model_len=arch.max_position_embeddings,
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)),
+            bos_token_id=None if bos is None else int(bos),
+            dtype=dtype.removeprefix("torch."),
+            num_experts=arch.n_routed_experts,
+            raw=cfg,
+        )
+
+    def required_ops(self, config: ModelConfig) -> Sequence[str]:
+        # attention goes through this plugin's MLA ops (mla.py), not the backend's paged attention
+        base = tuple(op for op in BASE_OPS if op not in ("attention",))
+        return base + (("fused_moe",) if config.num_experts else ())
+
+    def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> DeepseekV3ForCausalLM:
+        cfg = dict(config.raw) if config.raw else self.hf_config(source)
+        if ctx.tp_size > 1 or ctx.ep_size > 1:
+            raise ConfigError("the deepseek plugin runs at tp = 1 and ep = 1 for now (MLA heads over tp and experts over ep are not in yet)")
+        if cfg.get("quantization_config"):
+            raise ConfigError("the deepseek plugin does not load quantized (FP8) checkpoints yet: dequantize to bf16 first")
+        arch = DeepseekArch.from_hf(cfg)
+        top: dict[str, torch.Tensor] = {}
+        per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(arch.num_layers)]
+        for name, tensor in iter_safetensors(source.path, dtype=None, progress=ctx.progress):
+            where = _map_name(name)
+            if where is None:
+                log.debug("ignoring checkpoint tensor %s", name)
+                continue
+            layer, key = where
+            if layer is None:
+                top[key] = tensor
+            elif layer < arch.num_layers:  # DeepSeek-V3's multi-token-prediction layer (61) is not used
+                per_layer[layer][key] = tensor
+        return build_model(arch, top, per_layer, ctx)
+
+
+def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: list[dict[str, torch.Tensor]], ctx: LoadContext) -> DeepseekV3ForCausalLM:
+    ops, device, dtype = ctx.ops, ctx.device, ctx.dtype
+
+    def need(d: dict[str, torch.Tensor], key: str, where: str) -> torch.Tensor:
+        if key not in d:
+            raise ConfigError(f"the checkpoint has no {key} weight for {where}")
+        return d[key]
+
+    def put(t: torch.Tensor, key: str = "") -> torch.Tensor:
+        return t.to(device=device, dtype=torch.float32 if key in _FLOAT32 else dtype).contiguous()
+
+    def linear(t: torch.Tensor) -> Any:
+        return ops.pack_linear(put(t))
+
+    dn, dv, rank = arch.qk_nope_head_dim, arch.v_head_dim, arch.kv_lora_rank
+    layers = []
+    for i, d in enumerate(per_layer):
+        where = f"layer {i}"
+        layer = DeepseekLayer()
+        layer.input_norm = put(need(d, "input_norm", where))
+        layer.post_norm = put(need(d, "post_norm", where))
+        if arch.q_lora_rank:
+            layer.q_a, layer.q_b = linear(need(d, "q_a", where)), linear(need(d, "q_b", where))
+            layer.q_a_norm = put(need(d, "q_a_norm", where))
+        else:
+            layer.q_proj = linear(need(d, "q_proj", where))
+        layer.kv_a = linear(need(d, "kv_a", where))
+        layer.kv_a_norm = put(need(d, "kv_a_norm", where))
+        kv_b = need(d, "kv_b", where)
+        if tuple(kv_b.shape) != (arch.num_heads * (dn + dv), rank):
+            raise ConfigError(f"{where}: kv_b_proj is {tuple(kv_b.shape)}, the config implies {(arch.num_heads * (dn + dv), rank)}")
+        w_uk, w_uv = put(kv_b).view(arch.num_heads, dn + dv, rank).split((dn, dv), dim=1)
+        layer.w_uk, layer.w_uv = w_uk.contiguous(), w_uv.contiguous()  # [H, dn, L], [H, dv, L]
+        layer.o_proj = linear(need(d, "o_proj", where))
+        if arch.is_moe(i):
+            _build_moe(arch, layer, d, where, put, need, linear)
+        else:
+            layer.gate_up = linear(torch.cat((need(d, "gate", where), need(d, "up", where))))
+            layer.down = linear(need(d, "down", where))
+        layers.append(layer)
+        d.clear()
+
+    embed = put(need(top, "embed", "the embedding"))
+    lm_head = top.get("lm_head")
+    if lm_head is None:
+        if not arch.tie_word_embeddings:
+            log.warning("the checkpoint has no lm_head: tying it to the embedding")
+        lm_head = embed
+    return DeepseekV3ForCausalLM(
+        arch,
+        ops,
+        cos_sin=cos_sin_table(arch).to(device),
+        scale=softmax_scale(arch),
+        embed=embed,
+        norm=put(need(top, "norm", "the final norm")),
+        lm_head=ops.pack_linear(put(lm_head)),
+        layers=layers,
+    )
+
+
+def _build_moe(arch: DeepseekArch, layer: DeepseekLayer, d: dict[str, torch.Tensor], where: str, put: Any, need: Any, linear: Any) -> None:
+    """The router, the experts as w13 [E, 2I, H] / w2 [E, H, I] for
+    ``fused_moe``, and the shared experts as one dense MLP."""
+    inter = arch.moe_intermediate_size
+    fused = d.get("experts_gate_up")
+    w13, w2 = [], []
+    for e in range(arch.n_routed_experts):
+        if fused is not None:
+            w13.append(fused[e])
+            w2.append(need(d, "experts_down", where)[e])
+        else:
+            gate, up, down = (need(d, f"expert.{e}.{part}", f"{where}, expert {e}") for part in ("gate", "up", "down"))
+            w13.append(torch.cat((gate, up)))
+            w2.append(down)
+    layer.w13, layer.w2 = put(torch.stack(w13)), put(torch.stack(w2))
+    if tuple(layer.w13.shape[1:]) != (2 * inter, arch.hidden_size):
+        raise ConfigError(f"{where}: experts are {tuple(layer.w13.shape)}, the config implies [E, {2 * inter}, {arch.hidden_size}]")
+    if arch.n_routed_experts % arch.n_group:
+        raise ConfigError(f"{arch.n_routed_experts} routed experts do not split into n_group = {arch.n_group} groups")
+    bias = d.get("router_bias")
+    layer.router = DeepseekRouter(put(need(d, "router", where), "router"), None if bias is None else put(bias, "router_bias"), arch)
+    if arch.n_shared_experts:
+        layer.shared_gate_up = linear(torch.cat((need(d, "shared_gate", where), need(d, "shared_up", where))))
+        layer.shared_down = linear(need(d, "shared_down", where))
