@@ -84,7 +84,7 @@ def test_engine_with_deepep_matches_one_process(model_dir, generation, monkeypat
         assert deep_ep.__file__.startswith(FAKE)
         names = [name for name, _ in deep_ep.CALLS]
     finally:
-        llm.shutdown()
+        llm.close()
     assert got == want
     if generation == "legacy":  # rank 0's calls: one Buffer, prefill on the normal kernels, decode on the low-latency ones
         assert names.count("Buffer") == 1
