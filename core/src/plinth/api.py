@@ -18,6 +18,7 @@ from plinth.contract import (
     AttentionMetadata,
     AttentionOp,
     Backend,
+    BackendCapabilities,
     BackendDescriptor,
     CausalLM,
     CopyPagesOp,
@@ -35,6 +36,7 @@ from plinth.contract import (
     ModelDescriptor,
     ModelLoader,
     ModelSource,
+    OpTable,
     PackLinearOp,
     PlannedLayout,
     PluginDescriptor,
@@ -59,6 +61,8 @@ from plinth.contract import (
     ToolParser,
     ToolParserDescriptor,
     expert_ranges,
+    missing_methods,
+    op_signature_problems,
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
@@ -93,6 +97,8 @@ def load_accelerator(name: str = "auto", options: dict | None = None) -> Acceler
 
 __all__ = [
     "load_accelerator",
+    "missing_methods",
+    "op_signature_problems",
     "BASE_OPS",
     "FUSED_OPS",
     "OP_NAMES",
@@ -106,6 +112,7 @@ __all__ = [
     "AllToAll",
     "AttentionMetadata",
     "Backend",
+    "BackendCapabilities",
     "BackendDescriptor",
     "CausalLM",
     "ConfigError",
@@ -136,6 +143,7 @@ __all__ = [
     "ModelDescriptor",
     "ModelLoader",
     "ModelSource",
+    "OpTable",
     "PlinthError",
     "PluginError",
     "ProposeItem",

@@ -322,7 +322,7 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     model = llm.engine.runner.model
     tok = llm.get_tokenizer()
     vocab = llm.engine.model_config.vocab_size
-    special = set(getattr(tok, "special_token_ids", ()) or ())
+    special: set[int] = set(getattr(tok, "special_token_ids", ()) or ())
     work = make_workload(args, vocab, special)
     model_path = llm.engine.components.source.path
     result["model"] = model_path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -96,6 +97,7 @@ class AllToAll(PluginImpl):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
 
+    @abc.abstractmethod
     def dispatch(self, hidden: "torch.Tensor", topk_ids: "torch.Tensor", topk_weights: "torch.Tensor", *, decode: bool) -> "tuple[DispatchedTokens, Any]":
         """hidden [T, H], topk_ids [T, K] global expert ids, topk_weights
         [T, K] -> (the tokens this rank's experts must process, a handle for
@@ -103,6 +105,7 @@ class AllToAll(PluginImpl):
         may then choose its low-latency layout)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def combine(self, expert_out: "torch.Tensor", handle: Any) -> "torch.Tensor":
         """The experts' output in the layout dispatch gave -> hidden [T, H]
         for the tokens this rank dispatched, the weighted sum over top-k."""

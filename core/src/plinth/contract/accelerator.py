@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
@@ -45,6 +46,7 @@ class Accelerator(PluginImpl):
     device_type: ClassVar[str] = ""
     dist_backend: ClassVar[str] = "gloo"
 
+    @abc.abstractmethod
     def info(self) -> AcceleratorInfo:
         raise NotImplementedError
 
@@ -60,6 +62,7 @@ class Accelerator(PluginImpl):
     def synchronize(self) -> None:
         """Wait for queued device work (used by benchmarks and timing)."""
 
+    @abc.abstractmethod
     def memory(self, index: int = 0) -> tuple[int, int]:
         """(free, total) bytes of device ``index``; sizes the KV page pool."""
         raise NotImplementedError

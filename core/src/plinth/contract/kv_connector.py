@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
@@ -107,15 +108,18 @@ class KVConnector(PluginImpl):
             listener(kind, keys, medium)
 
     # scheduler side
+    @abc.abstractmethod
     def lookup(self, keys: Sequence[str]) -> int:
         """How many of these keys, from the first, the store holds."""
         raise NotImplementedError
 
     # worker side
+    @abc.abstractmethod
     def load(self, keys: Sequence[str], buffers: Sequence["torch.Tensor"]) -> Sequence[int]:
         """Read each key's value into its buffer; bytes read per key (<= 0: missing or failed)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def save(self, keys: Sequence[str], values: Sequence["torch.Tensor"]) -> None:
         """Store each value under its key (best effort; raise on failure)."""
         raise NotImplementedError

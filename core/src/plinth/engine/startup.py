@@ -16,12 +16,21 @@ import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
 
-from plinth.api import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, PlannedLayout, SelectionContext
+from plinth.api import (
+    FUSED_OPS,
+    OP_NAMES,
+    LoadContext,
+    ModelConfig,
+    ModelSource,
+    OpTable,
+    PlannedLayout,
+    SelectionContext,
+    op_signature_problems,
+)
 from plinth.engine.config import AUTO, EngineConfig
 from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.model_source import locate_model
@@ -80,20 +89,28 @@ OP_GROUPS = (("pack_linear", "linear"), ("allocate_kv_cache", "prepare_attention
 OP_REQUIRES = {"qkv_attention": ("allocate_kv_cache", "attention")}
 
 
-def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[Any, dict[str, str]]:
-    """The op table: the chosen backend's ops over the reference backend's."""
-    references = [e for e in registry.entries["backend"] if e.descriptor.reference and not e.evaluate(ctx)]
+def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[OpTable, dict[str, str]]:
+    """The op table: the chosen backend's ops over the reference backend's,
+    each checked against its signature (a mismatch fails naming the backend)."""
+    references = [e for e in registry.entries["backend"] if getattr(e.descriptor, "reference", False) and not e.evaluate(ctx)]
     table: dict[str, Any] = {}
     sources: dict[str, str] = {}
     reference_ops: dict[str, Any] = {}
     if references and references[0] is not chosen:
         reference_ops = dict(references[0].load()(ctx).ops())
+        _check_op_signatures(references[0], reference_ops)
         table.update(reference_ops)
         sources.update({name: references[0].name for name in reference_ops})
     backend_cls = chosen.load()
-    for op, why in backend_cls.unsupported_ops(ctx).items():  # per-op limits, e.g. an instruction set
+    declined = backend_cls.unsupported_ops(ctx)
+    for op, why in declined.items():  # per-op limits, e.g. an instruction set
         log.info("backend %s: %s from %s: %s", chosen.name, op, sources.get(op, "nowhere"), why)
-    ops = backend_cls(ctx, reference_ops).ops()
+    backend = backend_cls(ctx, reference_ops)
+    ops = dict(backend.ops())
+    _check_op_signatures(chosen, ops)
+    both = sorted(set(ops) & set(declined))
+    if both:  # declining is unsupported_ops alone: an op is either declined or provided
+        raise PluginError(f"backend {chosen.label()} declines {', '.join(both)} in unsupported_ops() yet returns it from ops()")
     extra = set(ops) - set(OP_NAMES)
     if extra:  # the op table is open: a backend may bring ops the core does not list
         log.info("backend %s brings ops of its own: %s", chosen.name, ", ".join(sorted(extra)))
@@ -109,7 +126,13 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
     missing = [op for op in OP_NAMES if op not in table and op not in FUSED_OPS]
     if missing:
         log.info("ops with no implementation (models needing them will fail to load): %s", ", ".join(missing))
-    return SimpleNamespace(**table), sources
+    return OpTable(table, backend.capabilities()), sources
+
+
+def _check_op_signatures(entry: PluginEntry, ops: dict[str, Any]) -> None:
+    problems = [p for name, fn in ops.items() for p in op_signature_problems(name, fn)]
+    if problems:
+        raise PluginError(f"backend {entry.label()}: " + "; ".join(problems))
 
 
 def check_required_ops(needed: Any, ops: Any, tried: list[str], architecture: str) -> None:

@@ -152,9 +152,9 @@ def check_a2a(name: str, *, worlds: tuple[int, ...] = (2, 4), backend: str | Non
     if reasons:
         report.skip(f"unavailable here: {'; '.join(reasons)}")
         return report.raise_for_problems()
-    backend = backend or info.dist_backend
+    group_backend = backend if backend is not None else str(info.dist_backend)
     for world in worlds:
-        per_rank = run_ranks(a2a_rank, world, name, 0, uneven, info.device_type, backend=backend, timeout=timeout)
+        per_rank = run_ranks(a2a_rank, world, name, 0, uneven, info.device_type, backend=group_backend, timeout=timeout)
         for rank, results in enumerate(per_rank):
             for ok, what, detail in results:
                 report.expect(ok, f"{world} ranks, rank {rank}: {what}", detail)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from plinth.api import PlannedLayout, PluginError, SelectionContext
-from plinth.plugins import PluginRegistry
+from plinth.testing import discover_all
 from plinth_plugin_deepep.a2a import LEGACY_RANKS, LOW_LATENCY_HIDDEN, DeepEPAllToAll
 
 FAKE = str(pathlib.Path(__file__).parent / "fake")
@@ -81,5 +81,5 @@ def test_start_up_with_a2a_deepep_fails_with_its_reasons_before_any_model_loads(
 
 
 def test_platform_plugins_answers_without_a_plan():
-    reasons = PluginRegistry.discover().get("a2a", "deepep").evaluate(SelectionContext())
+    reasons = discover_all().get("a2a", "deepep").evaluate(SelectionContext())
     assert all("planned" not in r for r in reasons)

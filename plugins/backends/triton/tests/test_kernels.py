@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plinth.api import QuantizedWeight
-from plinth.testing.backend import _meta
+from plinth.testing import attention_metadata
 from plinth_plugin_torch import attention as ref_attn
 from plinth_plugin_torch import ops as ref_ops
 from plinth_plugin_triton import fp8, moe, norm
@@ -48,7 +48,7 @@ def run_steps(dtype, page_size, heads, dim, tables, steps, *, window=None, cap=N
         v = torch.randn(t, num_kv, dim, generator=g).to(dtype)
         outs = []
         for table, cache in zip((mine, REFERENCE), caches):
-            meta = _meta(seqs, tables[: len(seqs)], page_size, "cpu")
+            meta = attention_metadata(seqs, tables[: len(seqs)], page_size, "cpu")
             table["prepare_attention"](meta)
             outs.append(table["attention"](q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window, logit_cap=cap))
         assert_close(outs[0], outs[1], TOL[dtype], f"step {i} {seqs}")
@@ -109,7 +109,7 @@ def test_single_decode_token_and_fork():
     mine = make_attention_ops(REFERENCE)
     k_pages, v_pages = mine["allocate_kv_cache"](num_pages=8, page_size=7, num_kv_heads=2, head_dim=16, v_head_dim=16, dtype=torch.float32, device=torch.device("cpu"))
     q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
-    meta = _meta([(0, 1)], [[3]], 7, "cpu")
+    meta = attention_metadata([(0, 1)], [[3]], 7, "cpu")
     mine["prepare_attention"](meta)
     out = mine["attention"](q, k, v, (k_pages, v_pages), meta, scale=0.25)
     # one key: the output is that key's value for each query head of its group
@@ -117,7 +117,7 @@ def test_single_decode_token_and_fork():
     mine["copy_pages"]([(k_pages, v_pages)], torch.tensor([3]), torch.tensor([5]))
     q2 = torch.randn(1, 4, 16).repeat(2, 1, 1)
     k2, v2 = torch.randn(1, 2, 16).repeat(2, 1, 1), torch.randn(1, 2, 16).repeat(2, 1, 1)
-    meta = _meta([(1, 1), (1, 1)], [[3], [5]], 7, "cpu")
+    meta = attention_metadata([(1, 1), (1, 1)], [[3], [5]], 7, "cpu")
     mine["prepare_attention"](meta)
     out = mine["attention"](q2, k2, v2, (k_pages, v_pages), meta, scale=0.25)
     assert_close(out[1], out[0], 1e-6, "fork")
@@ -313,7 +313,7 @@ def test_offsets_past_2_31_elements_in_one_layers_pool(tmp_path):
         q, k, v = (torch.randn(t, h, dim, generator=g).to(torch.bfloat16) for h in (heads[0], heads[1], heads[1]))
         outs = []
         for table, cache, tables in ((mine, big, big_tables), (REFERENCE, small, small_tables)):
-            meta = _meta(seqs, tables, page_size, "cpu")
+            meta = attention_metadata(seqs, tables, page_size, "cpu")
             table["prepare_attention"](meta)
             outs.append(table["attention"](q, k, v, cache, meta, scale=dim**-0.5))
         assert_close(outs[0], outs[1], TOL[torch.bfloat16], f"step {step}")

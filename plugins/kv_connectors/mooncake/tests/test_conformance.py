@@ -43,8 +43,7 @@ def test_the_data_path_taken(master, zero_copy):
     unregistered); otherwise through bytes. Same bytes back either way."""
     import torch
     from plinth.api import SelectionContext
-    from plinth.engine.kv_transfer import HEADER_BYTES
-    from plinth.testing.kv_connector import kv_test_layout
+    from plinth.testing import kv_test_layout, kv_value_bytes
     from plinth_plugin_mooncake.connector import MooncakeConnector
 
     layout = kv_test_layout(page_bytes=4096)
@@ -52,7 +51,7 @@ def test_the_data_path_taken(master, zero_copy):
     assert conn.health() == (True, "ok")
     spy = conn._store = _Spy(conn._store)
     keys = [f"plinth/test/zc{zero_copy}/{i}" for i in range(4)]
-    src = torch.randint(0, 256, (4, HEADER_BYTES + 4096), dtype=torch.uint8)
+    src = torch.randint(0, 256, (4, kv_value_bytes(4096)), dtype=torch.uint8)
     conn.register_buffer(src)
     conn.save(keys, [src[i] for i in range(4)])
     dst = torch.zeros(5, src.shape[1], dtype=torch.uint8)

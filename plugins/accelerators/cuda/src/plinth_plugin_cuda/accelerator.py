@@ -71,7 +71,8 @@ class CUDAAccelerator(Accelerator):
         import torch
 
         count = torch.cuda.device_count()
-        capability = tuple(torch.cuda.get_device_capability(0))
+        major, minor = torch.cuda.get_device_capability(0)
+        capability = (major, minor)
         return AcceleratorInfo(
             device_type="cuda",
             dist_backend="nccl",

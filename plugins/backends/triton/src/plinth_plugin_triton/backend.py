@@ -17,10 +17,11 @@ linear             FP8, weight-only dequant-in-kernel otherwise); dense weights:
 silu_and_mul       the reference (fused into fused_moe's first GEMM; dense MLPs
                    take torch's elementwise op)
 rotary             the reference (a gather + multiply-add; no kernel pays yet)
-fp8_path           an op of this backend's own: () -> (path, why), the FP8
-                   path its linear takes here; model loaders that find it keep
-                   FP8 weights quantized instead of dequantizing at load
 =================  ================================================================
+
+Its capabilities declare the FP8 path its linear takes here (``fp8``, with
+why); model loaders that find one keep FP8 weights quantized instead of
+dequantizing at load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import logging
 import os
 from typing import Any, Callable, Mapping
 
-from plinth.api import Backend, PluginError, QuantizedWeight, SelectionContext
+from plinth.api import Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
 
 #: what this backend takes from the reference, and why (logged at start-up)
 FROM_REFERENCE = {
@@ -143,6 +144,9 @@ class TritonBackend(Backend):
             fused_moe=moe.fused_moe,
             pack_linear=pack_linear,
             linear=linear,
-            fp8_path=lambda: (path, why),
         )
         return ops
+
+    def capabilities(self) -> BackendCapabilities:
+        path, why = fp8_path(self.ctx)
+        return BackendCapabilities(fp8=path, fp8_why=why)
