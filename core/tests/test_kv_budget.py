@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from plinth.api import Accelerator, FullAttentionSpec
+from plinth.api import Accelerator, AcceleratorInfo, FullAttentionSpec
 from plinth.engine.config import EngineConfig
 from plinth.engine.startup import kv_pool_pages, profiling_tokens
 
@@ -29,6 +29,9 @@ class ScriptedAccelerator(Accelerator):
 
     def __init__(self, held: int, peak: int = 0) -> None:
         self.held, self.peak, self.forwards = held, peak, 0
+
+    def info(self) -> AcceleratorInfo:
+        return AcceleratorInfo(device_type="scripted", dist_backend="gloo", device_count=1, memory_total=TOTAL)
 
     def memory(self, index: int = 0) -> tuple[int, int]:
         return TOTAL - self.held, TOTAL
