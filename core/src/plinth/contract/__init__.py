@@ -36,7 +36,7 @@ incompatible and cannot be chosen.
 
 from __future__ import annotations
 
-from plinth.contract.a2a import A2ADescriptor, AllToAll, DispatchedTokens, expert_ranges
+from plinth.contract.a2a import A2ADescriptor, AllToAll, DispatchedTokens, PlannedLayout, expert_ranges
 from plinth.contract.accelerator import Accelerator, AcceleratorDescriptor, AcceleratorInfo
 from plinth.contract.backend import (
     BASE_OPS,
@@ -133,6 +133,7 @@ __all__ = [
     "CausalLM",
     "CopyPagesOp",
     "DispatchedTokens",
+    "PlannedLayout",
     "expert_ranges",
     "DraftRunner",
     "FusedMoEOp",

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 if TYPE_CHECKING:  # the contract itself stays cheap to import
     import torch
 
+    from plinth.contract.a2a import PlannedLayout
     from plinth.contract.accelerator import Accelerator
     from plinth.contract.model import ModelConfig
     from plinth.contract.proposer import ProposerContext
@@ -66,6 +67,8 @@ class SelectionContext:
     options: Mapping[str, Any] = field(default_factory=dict[str, Any])
     #: proposers only: what the engine offers them (None in `platform plugins`)
     speculative: "ProposerContext | None" = None
+    #: a2a plugins: the planned parallel layout (None in `platform plugins`)
+    layout: "PlannedLayout | None" = None
 
 
 class PluginImpl(abc.ABC):  # noqa: B024 (the category bases below it declare the abstract methods)
