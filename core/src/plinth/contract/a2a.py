@@ -123,7 +123,8 @@ def expert_ranges(num_experts: int, size: int) -> list[range]:
     order; the first ``num_experts % size`` ranks own one more (as vLLM's
     ``determine_expert_map``). Every MoE model and a2a plugin splits so."""
     base, extra = divmod(num_experts, size)
-    out, start = [], 0
+    out: list[range] = []
+    start = 0
     for rank in range(size):
         n = base + (rank < extra)
         out.append(range(start, start + n))

@@ -358,7 +358,7 @@ class AttentionMetadata:
     #: with more than one KV-cache group (``plinth.api.KVCacheSpec``): each
     #: group's own metadata (its block tables and slot mapping, the rest
     #: shared), and the group of each layer; empty: one group, this one
-    groups: "list[AttentionMetadata]" = field(default_factory=list)
+    groups: "list[AttentionMetadata]" = field(default_factory=lambda: list["AttentionMetadata"]())
     layer_groups: Sequence[int] = ()
 
     def for_layer(self, layer: int) -> "AttentionMetadata":

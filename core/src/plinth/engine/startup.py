@@ -349,9 +349,11 @@ class JoinWorld(Protocol):
 
     def join(self, accelerator: Any) -> ParallelGroups:
         """Rendezvous, the process group, the TP/DP/EP groups."""
+        ...
 
     def agree_num_pages(self, num_pages: int) -> int:
         """The smallest KV pool any rank can hold."""
+        ...
 
 
 @dataclass

@@ -17,7 +17,7 @@ intermediate dimension, and the layer's two outputs are all-reduced.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.distributed
@@ -233,5 +233,5 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
                 total += w.numel() * w.element_size()
             else:
                 size = getattr(w, "nbytes", 0)
-                total += int(size() if callable(size) else size)
+                total += int(cast(Any, size)() if callable(size) else size)
         return total
