@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-narrow test-fast bench lint clean
+.PHONY: setup serve test test-narrow test-fast bench lint typecheck clean
 
 setup: $(STAMP)
 
@@ -46,7 +46,7 @@ NARROW_ISA_ENV := PLINTH_CPU_ISA=avx2,fma ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CP
 NARROW_TESTS := tests/test_engine_vs_transformers.py tests/test_server_api.py tests/test_cpu_isa.py \
 	$(wildcard plugins/*/*/tests/test_conformance.py)
 
-test: setup
+test: setup typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 		echo "== again with the instruction sets narrowed: $(NARROW_ISA_ENV)"; \
@@ -62,8 +62,13 @@ test-fast: setup
 bench: setup
 	$(VENV)/bin/platform bench offline
 
-lint: setup
+lint: setup typecheck
 	$(PY) -m ruff check core plugins tests bench
+
+# pyright (its settings: [tool.pyright] in pyproject.toml); its first run
+# fetches its npm package, later runs use the cached one
+typecheck: setup
+	$(VENV)/bin/pyright
 
 clean:
 	rm -rf $(VENV)

@@ -266,10 +266,24 @@ def test_structural_tag_legacy(oai, srv):
         "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
         "triggers": ["<f"],
     }
-    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=1.0, seed=2, n=4, response_format=fmt)
+    # the trigger's tokens favoured, so every run has tags to check (a model
+    # left to itself may never write "<f")
+    trigger = httpx.post(srv.url + "/tokenize", json={"prompt": "<f", "add_special_tokens": False}).json()["tokens"]
+    bias = {str(t): 30 for t in trigger}
+    r = oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=60, temperature=2.0, seed=2, n=4, response_format=fmt, logit_bias=bias
+    )
+    complete = 0
     for c in r.choices:
-        for body in re.findall(r"<f>(.*?)</f>", c.message.content, re.S):
-            jsonschema.validate(json.loads(body), schema)
+        text = c.message.content
+        for start in (m.start() for m in re.finditer("<f", text)):
+            tag = re.match(r"<f>(.*?)</f>", text[start:], re.S)
+            if tag is None:  # only the last tag may be cut off, by max_tokens
+                assert c.finish_reason == "length" and "</f>" not in text[start:], text
+                continue
+            jsonschema.validate(json.loads(tag.group(1)), schema)
+            complete += 1
+    assert complete > 0, [c.message.content for c in r.choices]
 
 
 def test_guided_regex(oai, srv):

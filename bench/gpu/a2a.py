@@ -21,9 +21,9 @@ DeepEP's published figures (README of deepseek-ai/DeepEP, H800, NVLink about
 normal intranode EP8 dispatch 153 GB/s, combine 158 GB/s (4096 tokens,
 FP8 dispatch, BF16 combine); low-latency EP8 dispatch 77 us (98 GB/s),
 combine 114 us (127 GB/s) (128 tokens per rank, FP8 dispatch, BF16
-combine). Ours move bfloat16 in both directions (``--fp8`` adds a
-low-latency row with DeepEP's FP8 dispatch, dequantized by the plugin for
-the experts: its time includes that), on whatever GPU this is (an H200's
+combine). Ours move bfloat16 in both directions (deepep's FP8 dispatch is
+not offered: no backend here has an FP8 grouped GEMM on its layout), on
+whatever GPU this is (an H200's
 NVLink is about 450 GB/s a direction, H800's about 160), and a time is the
 slowest rank's, host-timed around a synchronize (DeepEP's tests time
 kernels), so expect ours to read somewhat slower at the same bandwidth.
@@ -63,7 +63,6 @@ def parse() -> argparse.Namespace:
         "--install", action="store_true", help="pip install -e core and the cuda, nccl and deepep plugins first"
     )
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--fp8", action="store_true", help="also the legacy low-latency dispatch in FP8 (deepep_fp8=true)")
     p.add_argument("--json", default=None, help="write both runs' results and the comparison here")
     return p.parse_args()
 
@@ -81,16 +80,9 @@ def run_bench(mode: str, args: argparse.Namespace, ranks: int, out: str) -> int:
     else:
         tokens, hidden, topk, experts = ("4096" if mode == "prefill" else "128"), "7168", "8", "256"
         common = []
-    cap = int(tokens)  # deepep's per-rank token cap: the low-latency limit and V2's buffer size
-    deepep = f"deepep_max_tokens_per_rank={cap},deepep_num_topk={topk}"
+    # deepep sizes its buffers from the planned layout: the sweep's largest dispatch
     legacy = "deepep-legacy-" + ("normal" if mode == "prefill" else "lowlatency")
-    specs = [
-        "nccl",
-        f"{legacy}:deepep@deepep_generation=legacy,{deepep}",
-        f"deepep-v2:deepep@deepep_generation=v2,{deepep}",
-    ]
-    if args.fp8 and mode == "decode":
-        specs.append(f"{legacy}-fp8:deepep@deepep_generation=legacy,deepep_fp8=true,{deepep}")
+    specs = ["nccl", f"{legacy}:deepep@deepep_generation=legacy", "deepep-v2:deepep@deepep_generation=v2"]
     cmd = [sys.executable, "-m", "plinth.cli", "bench", "a2a", "--ranks", str(ranks), "--modes", mode,
            "--tokens", tokens, "--hidden", hidden, "--topk", topk, "--experts", experts,
            "--iters", str(args.iters), "--warmup", "3", "--save-result", out, *common]  # fmt: skip

@@ -47,6 +47,9 @@ def make_accelerator(name: str, reasons: Iterable[str] = (), *, raises: Exceptio
         def info(self) -> AcceleratorInfo:
             return AcceleratorInfo("cpu", "gloo", 1, dtypes=("float32",), default_dtype="float32")
 
+        def memory(self, index: int = 0) -> tuple[int, int]:
+            return 1 << 30, 1 << 30
+
     attr = f"Acc_{name}"
     Fake.__name__ = attr
     setattr(impl_module(), attr, Fake)

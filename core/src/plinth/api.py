@@ -18,6 +18,7 @@ from plinth.contract import (
     AttentionMetadata,
     AttentionOp,
     Backend,
+    BackendCapabilities,
     BackendDescriptor,
     CausalLM,
     CopyPagesOp,
@@ -35,7 +36,9 @@ from plinth.contract import (
     ModelDescriptor,
     ModelLoader,
     ModelSource,
+    OpTable,
     PackLinearOp,
+    PlannedLayout,
     PluginDescriptor,
     PluginImpl,
     PrepareAttentionOp,
@@ -58,6 +61,8 @@ from plinth.contract import (
     ToolParser,
     ToolParserDescriptor,
     expert_ranges,
+    missing_methods,
+    op_signature_problems,
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
@@ -92,10 +97,13 @@ def load_accelerator(name: str = "auto", options: dict | None = None) -> Acceler
 
 __all__ = [
     "load_accelerator",
+    "missing_methods",
+    "op_signature_problems",
     "BASE_OPS",
     "FUSED_OPS",
     "OP_NAMES",
     "OP_SIGNATURES",
+    "PlannedLayout",
     "PLUGIN_API_VERSION",
     "A2ADescriptor",
     "Accelerator",
@@ -104,6 +112,7 @@ __all__ = [
     "AllToAll",
     "AttentionMetadata",
     "Backend",
+    "BackendCapabilities",
     "BackendDescriptor",
     "CausalLM",
     "ConfigError",
@@ -134,6 +143,7 @@ __all__ = [
     "ModelDescriptor",
     "ModelLoader",
     "ModelSource",
+    "OpTable",
     "PlinthError",
     "PluginError",
     "ProposeItem",

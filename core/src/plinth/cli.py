@@ -83,6 +83,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (any value >= 1)")
     g.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: from --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB", help="memory for the KV pool")
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+        help="share of a device's memory the run may hold in all: weights, the profiled activation peak, "
+        "a2a buffers and the KV pool (default 0.9, as vLLM)",
+    )  # fmt: skip
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
     g.add_argument(
         "--max-num-batched-tokens",
@@ -139,6 +144,7 @@ def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_config = {**(kv_config or {}), **own}
     known = {
         "model", "device", "backend", "a2a", "kv_connector", "dtype", "dequantize", "page_size", "num_pages", "kv_cache_memory",
+        "gpu_memory_utilization",
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep", "seed",
         "kv_connector_config", "kv_transfer_config", "kv_events_config",
         "speculative_method", "num_speculative_tokens", "speculative_model",

@@ -48,6 +48,7 @@ class PlinthHookSpec:
         Called at startup in every process (API server and each worker rank),
         and by ``platform plugins``. Return ``[]`` for none.
         """
+        ...
 
     @hookspec
     def plinth_register_backends(self) -> Sequence[BackendDescriptor]:
@@ -55,37 +56,44 @@ class PlinthHookSpec:
 
         Called at startup in every process. Return ``[]`` for none.
         """
+        ...
 
     @hookspec
     def plinth_register_model_loaders(self) -> Sequence[ModelDescriptor]:
         """Return the model loaders this plugin provides, with the
         architectures each builds. Called at startup in every process."""
+        ...
 
     @hookspec
     def plinth_register_a2a(self) -> Sequence[A2ADescriptor]:
         """Return the MoE all-to-all implementations this plugin provides.
         Called at startup in every process."""
+        ...
 
     @hookspec
     def plinth_register_kv_connectors(self) -> Sequence[KVConnectorDescriptor]:
         """Return the KV-cache connectors this plugin provides.
         Called at startup in every process."""
+        ...
 
     @hookspec
     def plinth_register_tool_parsers(self) -> Sequence[ToolParserDescriptor]:
         """Return the tool-call parsers this plugin provides (model plugins
         register the formats their families write). Called at startup in the
         API server process, and by ``platform plugins``."""
+        ...
 
     @hookspec
     def plinth_register_reasoning_parsers(self) -> Sequence[ReasoningParserDescriptor]:
         """Return the reasoning parsers (``<think>...</think>`` and the like)
         this plugin provides. Called at startup in the API server process."""
+        ...
 
     @hookspec
     def plinth_register_proposers(self) -> Sequence[ProposerDescriptor]:
         """Return the speculative-decoding proposers this plugin provides.
         Called at startup in the engine process, and by ``platform plugins``."""
+        ...
 
     @hookspec
     def plinth_add_cli_arguments(self, parser: Any) -> None:
@@ -96,6 +104,7 @@ class PlinthHookSpec:
         reach the implementation through ``SelectionContext.options``. Prefix
         option names with the plugin name (``--cpu-threads``).
         """
+        ...
 
 
 REGISTRATION_HOOKS: dict[str, str] = {

@@ -37,6 +37,7 @@ from plinth.contract import (
     PluginDescriptor,
     SelectionContext,
     descriptor_fields,
+    missing_methods,
 )
 from plinth.errors import PluginError
 from plinth.hookspecs import ENTRY_POINT_GROUP, REGISTRATION_HOOKS
@@ -116,6 +117,11 @@ class PluginEntry:
             if not (isinstance(obj, type) and issubclass(obj, base)):
                 self.status = FAILED
                 self.reasons = [f"{self.descriptor.impl} is not a subclass of plinth.api.{base.__name__}"]
+                raise PluginError(f"{self.category} {self.label()}: {self.reasons[0]}")
+            missing = missing_methods(obj)
+            if missing:  # caught here, at load, rather than at the method's first call
+                self.status = FAILED
+                self.reasons = [f"{self.descriptor.impl} does not implement {', '.join(missing)} (required by plinth.api.{base.__name__})"]
                 raise PluginError(f"{self.category} {self.label()}: {self.reasons[0]}")
             self._impl = obj
         return self._impl
@@ -455,5 +461,5 @@ class PluginRegistry:
 
 
 def install_hint(category: str | None = None) -> str:
-    where = f"plugins/{CATEGORY_FOLDERS.get(category, '<category>')}/<name>"
+    where = f"plugins/{CATEGORY_FOLDERS.get(category or '', '<category>')}/<name>"
     return f"install one with `pip install plinth-plugin-<name>`, or from a checkout `pip install ./{where}`"

@@ -215,8 +215,9 @@ class Tokenizer:
         }
         bos_id = backend.token_to_id(special["bos_token"]) if special["bos_token"] else None
         eos_ids: list[int] = []
-        if special["eos_token"] and backend.token_to_id(special["eos_token"]) is not None:
-            eos_ids.append(backend.token_to_id(special["eos_token"]))
+        eos_id = backend.token_to_id(special["eos_token"]) if special["eos_token"] else None
+        if eos_id is not None:
+            eos_ids.append(eos_id)
         for extra in (_read_json(folder / "generation_config.json"), _read_json(folder / "config.json")):
             eos_ids.extend(_as_list(extra.get("eos_token_id")))
             if bos_id is None and extra.get("bos_token_id") is not None:
@@ -318,7 +319,7 @@ def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str]
     backend = FastTokenizer(
         BPE(
             vocab=vocab,
-            merges=[tuple(m.split(" ", 1)) for m in merges],
+            merges=[_merge_pair(m) for m in merges],
             dropout=None,
             continuing_subword_prefix="",
             end_of_word_suffix="",
@@ -355,6 +356,12 @@ def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str]
     return backend
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A merges-list entry ("a b") as the pair BPE takes."""
+    left, _, right = merge.partition(" ")
+    return left, right
+
+
 def _sentencepiece_merges(tokens: list[str], scores: list[float] | None) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary: every split of a
     token into two tokens, best score first (transformers' generate_merges)."""
@@ -379,7 +386,7 @@ def _sentencepiece_bpe(
     from tokenizers.models import BPE
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else _sentencepiece_merges(tokens, scores)
+    pairs = [_merge_pair(m) for m in merges] if merges else _sentencepiece_merges(tokens, scores)
     backend = FastTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if prefix_space else "never", split=False
@@ -477,6 +484,7 @@ def compile_chat_template(template: str) -> Any:
     and takes indent / separators / sort_keys, loop controls, and the
     ``{% generation %}`` block tag (rendered as its body)."""
     import jinja2
+    import jinja2.nodes
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -31,6 +31,7 @@ Names of plugins come from the registry only; plugin options travel as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -130,7 +131,7 @@ def _rank(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from plinth.api import SelectionContext
+    from plinth.api import PlannedLayout, SelectionContext
     from plinth.testing.a2a import _expected, _experts
 
     registry = PluginRegistry.discover(allow=plan["allow"], block=plan["block"])
@@ -139,7 +140,14 @@ def _rank(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
     acc.init_process(local_rank=rank, options=options)
     device = acc.device(rank)
     dtype = getattr(torch, plan["dtype"])
-    ctx = SelectionContext(accelerator=acc, dtype=dtype, ep=world, options=options)
+    info = acc.info()
+    most = max(plan["tokens"])  # the sweep's largest dispatch sizes the buffers, as a step's budget does in the engine
+    layout = PlannedLayout(
+        world=world, dp=world, ep=world, local_world=world, device_type=info.device_type, capability=info.capability,
+        dtype=plan["dtype"], hidden_size=max(plan["hidden"]), num_experts=max(plan["experts"]), top_k=max(plan["topk"]),
+        max_tokens_per_step=most, max_num_seqs=most,
+    )  # fmt: skip
+    ctx = SelectionContext(accelerator=acc, dtype=dtype, ep=world, options=options, layout=layout)
     entry = registry.get("a2a", plan["name"])
     reasons = entry.evaluate(ctx)
     # every rank must agree to go on: one that cannot would leave the others in a collective
@@ -152,7 +160,9 @@ def _rank(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
     for num_experts, hidden, top_k in itertools.product(plan["experts"], plan["hidden"], plan["topk"]):
         if num_experts % world or top_k > num_experts:
             continue  # left out by the parent too
-        a2a = cls(ctx, group=dist.group.WORLD, num_experts=num_experts, hidden_size=hidden)
+        shape = dataclasses.replace(layout, hidden_size=hidden, num_experts=num_experts, top_k=top_k)
+        a2a = cls(dataclasses.replace(ctx, layout=shape), group=dist.group.WORLD, num_experts=num_experts, hidden_size=hidden)
+        a2a.reserve_buffers()  # every rank together, as at engine start-up
         start = rank * (num_experts // world)
         for tokens in plan["tokens"]:
             g = torch.Generator().manual_seed(

@@ -306,7 +306,7 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     result["copy_bandwidth_GBps"] = bw / 1e9
     result["read_bandwidth_GBps"] = read_bw / 1e9
 
-    llm = LLM(
+    llm: Any = LLM(  # the benchmark reads the engine's parts (components, runner)
         args.model, device=args.device, backend=args.backend, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, registry=registry, kv_cache_memory=2.0,
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
@@ -322,7 +322,7 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     model = llm.engine.runner.model
     tok = llm.get_tokenizer()
     vocab = llm.engine.model_config.vocab_size
-    special = set(getattr(tok, "special_token_ids", ()) or ())
+    special: set[int] = set(getattr(tok, "special_token_ids", ()) or ())
     work = make_workload(args, vocab, special)
     model_path = llm.engine.components.source.path
     result["model"] = model_path

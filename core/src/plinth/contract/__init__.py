@@ -36,7 +36,7 @@ incompatible and cannot be chosen.
 
 from __future__ import annotations
 
-from plinth.contract.a2a import A2ADescriptor, AllToAll, DispatchedTokens, expert_ranges
+from plinth.contract.a2a import A2ADescriptor, AllToAll, DispatchedTokens, PlannedLayout, expert_ranges
 from plinth.contract.accelerator import Accelerator, AcceleratorDescriptor, AcceleratorInfo
 from plinth.contract.backend import (
     BASE_OPS,
@@ -47,10 +47,12 @@ from plinth.contract.backend import (
     AttentionMetadata,
     AttentionOp,
     Backend,
+    BackendCapabilities,
     BackendDescriptor,
     CopyPagesOp,
     FusedMoEOp,
     LinearOp,
+    OpTable,
     PackLinearOp,
     PrepareAttentionOp,
     QKVAttentionOp,
@@ -58,6 +60,7 @@ from plinth.contract.backend import (
     RmsNormOp,
     RotaryOp,
     SiluAndMulOp,
+    op_signature_problems,
 )
 from plinth.contract.base import (
     PLUGIN_API_VERSION,
@@ -65,6 +68,7 @@ from plinth.contract.base import (
     PluginImpl,
     SelectionContext,
     descriptor_fields,
+    missing_methods,
 )
 from plinth.contract.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from plinth.contract.kv_connector import KVConnector, KVConnectorDescriptor, KVLayout
@@ -124,10 +128,12 @@ __all__ = [
     "AttentionMetadata",
     "AttentionOp",
     "Backend",
+    "BackendCapabilities",
     "BackendDescriptor",
     "CausalLM",
     "CopyPagesOp",
     "DispatchedTokens",
+    "PlannedLayout",
     "expert_ranges",
     "DraftRunner",
     "FusedMoEOp",
@@ -138,6 +144,7 @@ __all__ = [
     "KVLayout",
     "LinearOp",
     "LoadContext",
+    "OpTable",
     "ModelConfig",
     "ModelDescriptor",
     "ModelLoader",
@@ -165,4 +172,6 @@ __all__ = [
     "ToolParser",
     "ToolParserDescriptor",
     "descriptor_fields",
+    "missing_methods",
+    "op_signature_problems",
 ]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from plinth.contract.base import PluginDescriptor, PluginImpl
 
@@ -45,6 +46,7 @@ class Accelerator(PluginImpl):
     device_type: ClassVar[str] = ""
     dist_backend: ClassVar[str] = "gloo"
 
+    @abc.abstractmethod
     def info(self) -> AcceleratorInfo:
         raise NotImplementedError
 
@@ -60,15 +62,33 @@ class Accelerator(PluginImpl):
     def synchronize(self) -> None:
         """Wait for queued device work (used by benchmarks and timing)."""
 
+    @abc.abstractmethod
     def memory(self, index: int = 0) -> tuple[int, int]:
         """(free, total) bytes of device ``index``; sizes the KV page pool."""
         raise NotImplementedError
 
-    def kv_cache_budget(self, *, free: int, total: int, weights: int) -> int:
+    def kv_cache_budget(
+        self, *, free: int, total: int, weights: int, activation_peak: int = 0, reserved: int = 0, utilization: float = 0.9
+    ) -> int:
         """Bytes the KV page pool takes by default (``--kv-cache-memory`` and
-        ``--num-pages`` override). A device that holds nothing else takes most
-        of what is free; a host shares its memory and takes less."""
-        return int(0.9 * free) - weights
+        ``--num-pages`` override), asked after the weights loaded and the a2a
+        buffers were allocated: ``free`` is measured then, so it already
+        lacks them. A device that holds nothing else takes ``utilization``
+        of its memory less what the run holds besides the pool (weights, the
+        profiled activation peak, ``reserved``: a2a buffers, a draft model),
+        and never more than is free (as vLLM's ``--gpu-memory-utilization``);
+        a host shares its memory and takes less."""
+        return min(int(utilization * total) - weights - activation_peak - reserved, free - activation_peak)
+
+    def measure_peak(self, fn: "Callable[[], Any]", index: int = 0) -> int:
+        """Run ``fn`` (the profiling forward) and return the most device bytes
+        it held at once beyond what was held before. The default reads
+        ``memory`` before and after: right for caching allocators, which keep
+        what a forward took; a device with a peak counter overrides it."""
+        before, _ = self.memory(index)
+        fn()
+        after, _ = self.memory(index)
+        return max(0, before - after)
 
     def supported_dtypes(self) -> "list[torch.dtype]":
         import torch

@@ -4,6 +4,8 @@ metadata)."""
 
 from __future__ import annotations
 
+import abc
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
@@ -40,6 +42,7 @@ class RmsNormOp(Protocol):
     def __call__(self, x: "torch.Tensor", weight: "torch.Tensor | None", eps: float, residual: "torch.Tensor | None" = None) -> Any:
         """y = x / rms(x) * weight; with ``residual``: (y, x + residual), the
         norm taken of the sum (the fused residual add)."""
+        ...
 
 
 class PackLinearOp(Protocol):
@@ -48,22 +51,26 @@ class PackLinearOp(Protocol):
         ``QuantizedWeight``) into what this backend's ``linear`` takes (a
         pre-blocked layout, say); the reference returns it as is. Models
         store the result and only ever hand it to ``linear``."""
+        ...
 
 
 class LinearOp(Protocol):
     def __call__(self, x: "torch.Tensor", weight: Any, bias: "torch.Tensor | None" = None) -> "torch.Tensor":
         """x @ weight.T (+ bias); weight is what ``pack_linear`` returned."""
+        ...
 
 
 class SiluAndMulOp(Protocol):
     def __call__(self, x: "torch.Tensor") -> "torch.Tensor":
         """silu(x[..., :d]) * x[..., d:] for a fused gate/up projection."""
+        ...
 
 
 class RotaryOp(Protocol):
     def __call__(self, q: "torch.Tensor", k: "torch.Tensor", positions: "torch.Tensor", cos_sin: "torch.Tensor", is_neox: bool) -> "tuple[torch.Tensor, torch.Tensor]":
         """(q, k) rotated; cos_sin is the model's [max_pos, rotary_dim] table
         (cos half, then sin half)."""
+        ...
 
 
 class AllocateKVCacheOp(Protocol):
@@ -72,12 +79,14 @@ class AllocateKVCacheOp(Protocol):
         (v_pages is None when v_head_dim is 0: V shares K's pages, as in MLA).
         Only this backend's attention and copy_pages look inside; the engine
         only counts pages."""
+        ...
 
 
 class PrepareAttentionOp(Protocol):
     def __call__(self, meta: "AttentionMetadata") -> None:
         """Once per step, before the layers; may stash per-step state in
         ``meta.backend_state``."""
+        ...
 
 
 class AttentionOp(Protocol):
@@ -85,6 +94,7 @@ class AttentionOp(Protocol):
         """out [T, Hq, Dv]: writes k, v [T, Hkv, D] into kv_cache at
         meta.slot_mapping (slot = page * page_size + offset), then attends
         causally over each sequence's pages."""
+        ...
 
 
 class QKVAttentionOp(Protocol):
@@ -95,12 +105,14 @@ class QKVAttentionOp(Protocol):
         same numbers as those ops; a model calls it when the table has it and
         nothing comes between the projection and the rotation (per-head q/k
         norms), and composes the two ops otherwise."""
+        ...
 
 
 class CopyPagesOp(Protocol):
     def __call__(self, kv_caches: Sequence[Any], src: "torch.Tensor", dst: "torch.Tensor") -> None:
         """Copy whole pages src[i] -> dst[i] (int64 CPU tensors) in every
         layer (fork, n > 1)."""
+        ...
 
 
 class FusedMoEOp(Protocol):
@@ -113,6 +125,7 @@ class FusedMoEOp(Protocol):
         other ranks, padding) contribute nothing. Tokens are grouped by
         expert, one GEMM per expert that received tokens; an expert with no
         tokens costs nothing."""
+        ...
 
 
 #: the ops the core knows, with their signatures; a backend may add others
@@ -142,6 +155,124 @@ BASE_OPS: tuple[str, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend declares about its ops, read by model loaders as
+    ``ops.capabilities`` (not ops themselves: nothing calls them).
+
+    fp8:          the path ``linear`` takes for ``fp8_e4m3`` weights:
+                  "w8a8" (FP8 tensor cores) or "weight_only" (dequantized
+                  inside the GEMM); "" when it keeps no FP8 weights (the
+                  loader dequantizes them at load)
+    fp8_why:      why that path, for the start-up log
+    gguf_formats: GGUF types (``Q4_0``, ``Q4_K``, ...) whose blocks
+                  ``pack_linear`` keeps; others are dequantized at load
+    gguf_path:    how ``linear`` runs them, for the start-up log
+    """
+
+    fp8: str = ""
+    fp8_why: str = ""
+    gguf_formats: tuple[str, ...] = ()
+    gguf_path: str = ""
+
+
+_P = inspect.Parameter
+_POSITIONAL = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)
+
+
+def op_signature_problems(name: str, fn: object) -> list[str]:
+    """Why ``fn`` cannot serve as op ``name`` (empty: it can): callable, and
+    for an op of ``OP_SIGNATURES`` callable every way a model may call it,
+    as a type checker matches a callable against a Protocol (positional
+    parameters by position and name, keyword-only ones by name, defaults
+    where the signature has them, nothing else required). A backend's own
+    ops are checked for being callable only."""
+    if not callable(fn):
+        return [f"op {name} is a {type(fn).__name__}, not a callable"]
+    proto = OP_SIGNATURES.get(name)
+    if proto is None:
+        return []
+    try:
+        got = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return []
+    want = list(inspect.signature(proto.__call__).parameters.values())[1:]
+    params = list(got.parameters.values())
+    var_pos = any(p.kind is _P.VAR_POSITIONAL for p in params)
+    var_kw = any(p.kind is _P.VAR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    problems: list[str] = []
+    covered: set[str] = set()
+    want_positional = [w for w in want if w.kind in _POSITIONAL]
+    for i, w in enumerate(want_positional):
+        p = positional[i] if i < len(positional) else None
+        if p is None:
+            if not var_pos:
+                problems.append(f"takes no positional parameter {i + 1} ({w.name})")
+            continue
+        covered.add(p.name)
+        if w.kind is _P.POSITIONAL_OR_KEYWORD and p.name != w.name and not var_kw:
+            problems.append(f"names parameter {i + 1} {p.name!r}, not {w.name!r} (callers may pass it by name)")
+        if w.default is not _P.empty and p.default is _P.empty:
+            problems.append(f"requires {p.name}, which callers may omit")
+    for w in (w for w in want if w.kind is _P.KEYWORD_ONLY):
+        p = got.parameters.get(w.name)
+        if p is None or p.kind not in (_P.KEYWORD_ONLY, _P.POSITIONAL_OR_KEYWORD):
+            if not var_kw:
+                problems.append(f"takes no keyword {w.name}")
+            continue
+        covered.add(p.name)
+        if w.default is not _P.empty and p.default is _P.empty:
+            problems.append(f"requires {p.name}, which callers may omit")
+    for p in params:
+        if p.name not in covered and p.default is _P.empty and p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD):
+            problems.append(f"requires {p.name}, which callers never pass")
+    if not problems:
+        return []
+    shown = inspect.Signature([p.replace(annotation=_P.empty) for p in params])
+    wanted = inspect.Signature([w.replace(annotation=_P.empty) for w in want])
+    return [f"op {name}{shown} does not match {proto.__name__}{wanted}: {'; '.join(problems)}"]
+
+
+class OpTable:
+    """The resolved op table the model and the engine call: each op a plain
+    attribute, set once at start-up (no lookup per call), each op of
+    ``OP_SIGNATURES`` checked against its signature when the table is built.
+    A backend's own ops are attributes too (``getattr(ops, "my_op", None)``);
+    ``capabilities`` is what the backend declares about its ops."""
+
+    rms_norm: RmsNormOp
+    pack_linear: PackLinearOp
+    linear: LinearOp
+    silu_and_mul: SiluAndMulOp
+    rotary: RotaryOp
+    allocate_kv_cache: AllocateKVCacheOp
+    prepare_attention: PrepareAttentionOp
+    attention: AttentionOp
+    copy_pages: CopyPagesOp
+    #: optional: None where no backend brings them
+    qkv_attention: QKVAttentionOp | None = None
+    fused_moe: FusedMoEOp | None = None
+    capabilities: BackendCapabilities
+
+    def __init__(self, ops: Mapping[str, Callable[..., Any]], capabilities: BackendCapabilities | None = None) -> None:
+        problems = [p for name, fn in ops.items() for p in op_signature_problems(name, fn)]
+        reserved = [name for name in ops if name.startswith("_") or name in _RESERVED]
+        problems += [f"op name {name!r} is reserved" for name in reserved]
+        if problems:
+            raise TypeError("; ".join(problems))
+        for name, fn in ops.items():
+            setattr(self, name, fn)
+        self.capabilities = capabilities or BackendCapabilities()
+
+    def names(self) -> list[str]:
+        """The ops this table holds."""
+        return [name for name, fn in vars(self).items() if name != "capabilities" and fn is not None]
+
+
+_RESERVED = frozenset({"capabilities", "names"})
+
+
 @dataclass
 class QuantizedWeight:
     """A weight stored in a quantized format, handed to ``pack_linear``.
@@ -154,10 +285,9 @@ class QuantizedWeight:
     inside a row), scale is empty (the scales live in the blocks), block_size
     is (1, weights per block).
 
-    A model loader hands a backend only the formats it says it runs: FP8 when
-    the op table has the op ``fp8_path() -> (path, why)``, GGUF types when it
-    has ``gguf_formats() -> (type names, path)`` (ops a backend brings of its
-    own; the loader logs the path and dequantizes what is not offered).
+    A model loader hands a backend only the formats it says it runs, as its
+    ``BackendCapabilities`` declare them (``fp8``, ``gguf_formats``; the
+    loader logs the path and dequantizes what is not offered).
     """
 
     format: str
@@ -178,17 +308,27 @@ class Backend(PluginImpl):
 
     @classmethod
     def unsupported_ops(cls, ctx: SelectionContext) -> Mapping[str, str]:
-        """Ops this backend has but cannot run for ``ctx``, each with why
-        (``{"linear": "bf16 GEMMs need avx512bw+vl+dq"}``). ``ops()`` leaves
-        them out and the reference serves them; start-up logs this and
-        ``platform plugins`` shows it. Whole-backend problems go in ``check``."""
+        """The one way to decline an op: ops this backend has but cannot run
+        for ``ctx``, each with why (``{"linear": "bf16 GEMMs need
+        avx512bw+vl+dq"}``). ``ops()`` must leave them out (start-up refuses
+        a table that returns a declined op) and the reference serves them;
+        start-up logs this and ``platform plugins`` shows it. Whole-backend
+        problems go in ``check``; an op the backend never has is simply not
+        in ``ops()``."""
         return {}
 
+    @abc.abstractmethod
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         """The ops this backend provides for ``self.ctx``: any of
-        ``OP_SIGNATURES`` (the reference backend supplies the rest), plus any
-        op of its own (the table is open)."""
+        ``OP_SIGNATURES``, each matching its signature (checked at start-up;
+        the reference backend supplies the rest), plus any op of its own
+        (the table is open)."""
         raise NotImplementedError
+
+    def capabilities(self) -> BackendCapabilities:
+        """What this backend's ops can do beyond their signatures (which
+        quantized formats ``pack_linear`` keeps), for ``self.ctx``."""
+        return BackendCapabilities()
 
 
 @dataclass
@@ -211,14 +351,14 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     #: per-step state a backend computes once in prepare_attention
-    backend_state: dict[str, Any] = field(default_factory=dict)
+    backend_state: dict[str, Any] = field(default_factory=dict[str, Any])
     #: the decode flag MoE layers hand the a2a plugin; set by the engine when
     #: ranks with different batches must agree (None: ``is_decode_only``)
     moe_decode: bool | None = None
     #: with more than one KV-cache group (``plinth.api.KVCacheSpec``): each
     #: group's own metadata (its block tables and slot mapping, the rest
     #: shared), and the group of each layer; empty: one group, this one
-    groups: "list[AttentionMetadata]" = field(default_factory=list)
+    groups: "list[AttentionMetadata]" = field(default_factory=lambda: list["AttentionMetadata"]())
     layer_groups: Sequence[int] = ()
 
     def for_layer(self, layer: int) -> "AttentionMetadata":

@@ -4,6 +4,7 @@ is validated and built with, and the base of every implementation class."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 if TYPE_CHECKING:  # the contract itself stays cheap to import
     import torch
 
+    from plinth.contract.a2a import PlannedLayout
     from plinth.contract.accelerator import Accelerator
     from plinth.contract.model import ModelConfig
     from plinth.contract.proposer import ProposerContext
@@ -62,13 +64,18 @@ class SelectionContext:
     model: "ModelConfig | None" = None
     tp: int = 1
     ep: int = 1
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict[str, Any])
     #: proposers only: what the engine offers them (None in `platform plugins`)
     speculative: "ProposerContext | None" = None
+    #: a2a plugins: the planned parallel layout (None in `platform plugins`)
+    layout: "PlannedLayout | None" = None
 
 
-class PluginImpl:
-    """Base of every implementation class."""
+class PluginImpl(abc.ABC):  # noqa: B024 (the category bases below it declare the abstract methods)
+    """Base of every implementation class. The category bases are ABCs: a
+    method marked abstract there is required, and a class that lacks one
+    fails when the core loads it (``missing_methods`` names them), not at its
+    first call."""
 
     #: set by the core from the descriptor when the class is chosen
     name: ClassVar[str] = ""
@@ -83,6 +90,11 @@ class PluginImpl:
         with an empty context, and at startup with a filled one.
         """
         return []
+
+
+def missing_methods(cls: type) -> list[str]:
+    """The abstract methods ``cls`` leaves unimplemented (empty: complete)."""
+    return sorted(getattr(cls, "__abstractmethods__", ()))
 
 
 def descriptor_fields(d: PluginDescriptor) -> dict[str, Any]:

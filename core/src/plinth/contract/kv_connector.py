@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
@@ -77,9 +78,10 @@ class KVConnector(PluginImpl):
     * ``save(keys, values) -> None``: store each value (uint8 CPU tensors,
       ``layout.value_bytes`` long) under its key; keys already stored may be
       skipped. Raise on failure.
-    * ``register_buffer(tensor)``: once, the staging area all buffers and
-      values are slices of (register it with a transfer engine that needs
-      registered memory).
+    * ``register_buffer(tensor)``: once per worker thread, the staging area
+      that thread's buffers and values are slices of, kept for its later
+      calls (register it with a transfer engine that needs registered
+      memory); again only with a bigger area, which replaces the old one.
 
     Both sides: ``health() -> (ok, why)`` (called off the step loop, also as
     the circuit breaker's probe: it may try to reconnect), ``close()``.
@@ -106,21 +108,26 @@ class KVConnector(PluginImpl):
             listener(kind, keys, medium)
 
     # scheduler side
+    @abc.abstractmethod
     def lookup(self, keys: Sequence[str]) -> int:
         """How many of these keys, from the first, the store holds."""
         raise NotImplementedError
 
     # worker side
+    @abc.abstractmethod
     def load(self, keys: Sequence[str], buffers: Sequence["torch.Tensor"]) -> Sequence[int]:
         """Read each key's value into its buffer; bytes read per key (<= 0: missing or failed)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def save(self, keys: Sequence[str], values: Sequence["torch.Tensor"]) -> None:
         """Store each value under its key (best effort; raise on failure)."""
         raise NotImplementedError
 
     def register_buffer(self, buffer: "torch.Tensor") -> None:
-        """The CPU staging area every load buffer and save value lies in."""
+        """The CPU staging area the calls that follow on this thread use (each
+        load buffer and save value lies in it). Called once per worker thread
+        and kept: again only with a bigger area, which replaces the old one."""
 
     def health(self) -> tuple[bool, str]:
         """(reachable, why not). May block; the core calls it off the step loop."""

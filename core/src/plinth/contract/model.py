@@ -3,10 +3,11 @@ with the engine (the model's config, where it lives, how to build it)."""
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
-from plinth.contract.backend import BASE_OPS
+from plinth.contract.backend import BASE_OPS, OpTable
 from plinth.contract.base import PluginDescriptor, PluginImpl
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     dtype: str = "bfloat16"  # the checkpoint's dtype
     num_experts: int = 0
-    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    raw: Mapping[str, Any] = field(default_factory=dict[str, Any], repr=False)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class LoadContext:
 
     device: "torch.device"
     dtype: "torch.dtype"
-    ops: "Any"  # the resolved op table (attributes named as in OP_NAMES)
+    ops: "OpTable"  # the resolved op table (attributes named as in OP_NAMES)
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Any = None
@@ -106,13 +107,16 @@ class CausalLM:
 class ModelLoader(PluginImpl):
     """Builds the architectures its descriptor names."""
 
+    @abc.abstractmethod
     def load_config(self, source: ModelSource) -> ModelConfig:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def load_tokenizer(self, source: ModelSource) -> "Any":
         """A ``plinth.api.Tokenizer``."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> "Any":
         """A ``torch.nn.Module`` with the ``CausalLM`` methods, weights loaded."""
         raise NotImplementedError

@@ -4,6 +4,7 @@ model's raw output."""
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
@@ -55,7 +56,7 @@ class ToolParse:
     """What a tool parser makes of the output: answer text and calls."""
 
     content: str
-    calls: list[ToolCallItem] = field(default_factory=list)
+    calls: list[ToolCallItem] = field(default_factory=list[ToolCallItem])
 
 
 class ToolParser(PluginImpl):
@@ -69,6 +70,7 @@ class ToolParser(PluginImpl):
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         self.tools = list(tools)
 
+    @abc.abstractmethod
     def parse(self, text: str, *, final: bool) -> ToolParse:
         """text: everything the model wrote so far (after its reasoning).
 
@@ -102,6 +104,7 @@ class ReasoningParser(PluginImpl):
     def __init__(self, prompt: str = "") -> None:
         self.prompt = prompt
 
+    @abc.abstractmethod
     def parse(self, text: str, *, final: bool) -> ReasoningParse:
         """final=False: a streaming view (a possible beginning of a tag at
         the end is held back from both parts; both parts only grow)."""

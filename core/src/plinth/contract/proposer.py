@@ -3,6 +3,7 @@ proposers and the draft model runner the core builds for them."""
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
 
@@ -61,9 +62,11 @@ class DraftRunner(Protocol):
         computed, all items in one forward) and return the logits [vocab]
         (float32, CPU) that follow the last token; None where the draft's
         page pool had no room (that key's cache is dropped)."""
+        ...
 
     def free(self, key: int) -> None:
         """Drop the draft cache of a sequence that ended."""
+        ...
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Proposer(PluginImpl):
         assert ctx.speculative is not None, "a proposer is built with a ProposerContext"
         self.spec: ProposerContext = ctx.speculative
 
+    @abc.abstractmethod
     def propose(self, items: Sequence[ProposeItem]) -> list[list[int]]:
         """Per item, up to ``item.k`` token ids to follow ``item.token_ids``.
         Called once per engine step, before scheduling, on the engine thread."""
@@ -116,3 +120,4 @@ class Proposer(PluginImpl):
 
     def free(self, key: int) -> None:
         """The sequence ``key`` ended (or was preempted): drop its state."""
+        ...

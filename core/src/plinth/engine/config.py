@@ -31,6 +31,9 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_memory: float | None = None  # GiB; default: the accelerator's budget
+    #: the share of a device's memory this run may hold in all (weights,
+    #: activations, buffers, KV pool), as vLLM's --gpu-memory-utilization
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     #: token budget of one step: an integer, or "auto" (measured at start-up:
     #: ``plinth.engine.step_plan``; the engine's ``step_plan`` says what was chosen)
@@ -73,6 +76,8 @@ class EngineConfig:
         self.max_num_batched_tokens = parse_token_budget(self.max_num_batched_tokens)
         if self.tp < 1 or self.ep < 1 or (self.dp is not None and self.dp < 1):
             raise ConfigError("tp, dp and ep must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dist_timeout <= 0:
             raise ConfigError("dist_timeout must be > 0")
         if self.speculative_method in ("auto", "none", ""):

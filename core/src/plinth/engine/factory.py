@@ -28,7 +28,7 @@ def is_distributed(config: EngineConfig) -> bool:
 
 def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -> EngineCore:
     registry = registry or PluginRegistry.discover()
-    check_a2a(config, registry)
+    config = check_a2a(config, registry)  # names the a2a plugin the ranks build
     if is_distributed(config):
         # only a multi-rank engine imports torch.distributed's side of plinth
         from plinth.engine.distributed import build_distributed_engine

@@ -15,12 +15,16 @@ import torch
 class GrammarState(Protocol):
     def mask_logits(self, logits: torch.Tensor) -> None:
         """Set the logits of tokens the grammar forbids next to -inf, in place (1-D)."""
+        ...
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar rejects it."""
+        ...
 
     def is_terminated(self) -> bool:
         """True once the grammar has reached an accepting end."""
+        ...
 
     def fork(self) -> "GrammarState":
         """An independent copy at the same position (for n > 1 samples)."""
+        ...

@@ -98,12 +98,13 @@ def event_types(array_like: bool) -> dict[str, Any]:
     """The structs of one layout, field for field vLLM's (0.32)."""
     import msgspec
 
-    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    # msgspec's stubs do not declare Struct's class keywords
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # pyright: ignore[reportCallIssue]
         ts: float
         events: list[Any]
         data_parallel_rank: int | None = None
 
-    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, array_like=array_like):
+    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, array_like=array_like):  # pyright: ignore[reportCallIssue]
         pass
 
     class BlockStored(KVCacheEvent):

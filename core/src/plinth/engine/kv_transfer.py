@@ -227,6 +227,8 @@ class KVTransfer:
         self._events: Any = None  # the KV-event recorder, with --kv-events-config
         self._key_hash: OrderedDict[str, int] = OrderedDict()  # the keys this engine saved -> page hashes
         self._lock = threading.Lock()
+        #: each worker thread's staging area, registered with the connector once and reused
+        self._arenas = threading.local()
         self._probe: Future | None = None
         # metrics
         self.counters: dict[str, int] = {
@@ -323,9 +325,7 @@ class KVTransfer:
         stored = max(0, min(stored, len(keys)))
         if stored == 0:
             return FetchResult([], 0)
-        vb = self.layout.value_bytes
-        staging = torch.empty(stored, vb, dtype=torch.uint8)
-        self.connector.register_buffer(staging)
+        staging = self._staging(stored)
         buffers = [staging[i] for i in range(stored)]
         sizes = list(self.connector.load(keys[:stored], buffers))
         payloads: list[torch.Tensor] = []
@@ -335,8 +335,23 @@ class KVTransfer:
             if payload is None:
                 failure = kind
                 break
-            payloads.append(payload)
+            payloads.append(payload.clone())  # the staging area is this thread's next call's too
         return FetchResult(payloads, stored, failure)
+
+    def _staging(self, pages: int) -> torch.Tensor:
+        """``pages`` value-sized rows of this worker thread's staging area:
+        registered with the connector (an RDMA registration for Mooncake)
+        once and reused by every later call, grown (and registered again)
+        only when a call needs more pages than any before it."""
+        arena = getattr(self._arenas, "buffer", None)
+        if arena is None or arena.shape[0] < pages:
+            size = max(pages, 2 * arena.shape[0] if arena is not None else 32)
+            arena = torch.empty(size, self.layout.value_bytes, dtype=torch.uint8)
+            self._arenas.buffer, self._arenas.registered = arena, False
+        if not self._arenas.registered:  # retried on the next call when the store was down
+            self.connector.register_buffer(arena)
+            self._arenas.registered = True
+        return arena[:pages]
 
     def write_pages(self, pages: Sequence[int], payloads: Sequence[torch.Tensor]) -> None:
         """Fill freshly allocated pages with fetched payloads (on the loop)."""
@@ -414,9 +429,7 @@ class KVTransfer:
     def _save(self, hashes: list[int], data: torch.Tensor) -> None:
         t0 = time.monotonic()
         try:
-            vb = self.layout.value_bytes
-            staging = torch.empty(len(hashes), vb, dtype=torch.uint8)
-            self.connector.register_buffer(staging)
+            staging = self._staging(len(hashes))
             keys = [make_key(self.layout, h) for h in hashes]
             if self._events is not None:
                 with self._lock:

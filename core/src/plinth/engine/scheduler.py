@@ -68,9 +68,6 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

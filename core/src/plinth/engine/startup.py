@@ -12,15 +12,25 @@ plugin registry again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
 
-from plinth.api import FUSED_OPS, OP_NAMES, LoadContext, ModelConfig, ModelSource, SelectionContext
+from plinth.api import (
+    FUSED_OPS,
+    OP_NAMES,
+    LoadContext,
+    ModelConfig,
+    ModelSource,
+    OpTable,
+    PlannedLayout,
+    SelectionContext,
+    op_signature_problems,
+)
 from plinth.engine.config import AUTO, EngineConfig
 from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.model_source import locate_model
@@ -79,20 +89,28 @@ OP_GROUPS = (("pack_linear", "linear"), ("allocate_kv_cache", "prepare_attention
 OP_REQUIRES = {"qkv_attention": ("allocate_kv_cache", "attention")}
 
 
-def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[Any, dict[str, str]]:
-    """The op table: the chosen backend's ops over the reference backend's."""
-    references = [e for e in registry.entries["backend"] if e.descriptor.reference and not e.evaluate(ctx)]
+def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[OpTable, dict[str, str]]:
+    """The op table: the chosen backend's ops over the reference backend's,
+    each checked against its signature (a mismatch fails naming the backend)."""
+    references = [e for e in registry.entries["backend"] if getattr(e.descriptor, "reference", False) and not e.evaluate(ctx)]
     table: dict[str, Any] = {}
     sources: dict[str, str] = {}
     reference_ops: dict[str, Any] = {}
     if references and references[0] is not chosen:
         reference_ops = dict(references[0].load()(ctx).ops())
+        _check_op_signatures(references[0], reference_ops)
         table.update(reference_ops)
         sources.update({name: references[0].name for name in reference_ops})
     backend_cls = chosen.load()
-    for op, why in backend_cls.unsupported_ops(ctx).items():  # per-op limits, e.g. an instruction set
+    declined = backend_cls.unsupported_ops(ctx)
+    for op, why in declined.items():  # per-op limits, e.g. an instruction set
         log.info("backend %s: %s from %s: %s", chosen.name, op, sources.get(op, "nowhere"), why)
-    ops = backend_cls(ctx, reference_ops).ops()
+    backend = backend_cls(ctx, reference_ops)
+    ops = dict(backend.ops())
+    _check_op_signatures(chosen, ops)
+    both = sorted(set(ops) & set(declined))
+    if both:  # declining is unsupported_ops alone: an op is either declined or provided
+        raise PluginError(f"backend {chosen.label()} declines {', '.join(both)} in unsupported_ops() yet returns it from ops()")
     extra = set(ops) - set(OP_NAMES)
     if extra:  # the op table is open: a backend may bring ops the core does not list
         log.info("backend %s brings ops of its own: %s", chosen.name, ", ".join(sorted(extra)))
@@ -108,7 +126,13 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
     missing = [op for op in OP_NAMES if op not in table and op not in FUSED_OPS]
     if missing:
         log.info("ops with no implementation (models needing them will fail to load): %s", ", ".join(missing))
-    return SimpleNamespace(**table), sources
+    return OpTable(table, backend.capabilities()), sources
+
+
+def _check_op_signatures(entry: PluginEntry, ops: dict[str, Any]) -> None:
+    problems = [p for name, fn in ops.items() for p in op_signature_problems(name, fn)]
+    if problems:
+        raise PluginError(f"backend {entry.label()}: " + "; ".join(problems))
 
 
 def check_required_ops(needed: Any, ops: Any, tried: list[str], architecture: str) -> None:
@@ -165,6 +189,57 @@ def hash_seed(source: ModelSource, cfg: ModelConfig) -> int:
     return int.from_bytes(hashlib.blake2b(ident.encode(), digest_size=8).digest(), "little")
 
 
+def needs_memory_budget(config: EngineConfig) -> bool:
+    """Whether the KV pool is sized from the device's memory (so a profiling forward is worth running)."""
+    return not config.num_pages and config.kv_cache_memory is None
+
+
+def profiling_tokens(config: EngineConfig, max_model_len: int) -> int:
+    """Tokens of the profiling forward: the step token budget (the default
+    one where it is measured later), within the model's length."""
+    from plinth.engine.config import AUTO, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    budget = config.max_num_batched_tokens
+    tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS if budget == AUTO else int(budget)
+    return max(1, min(tokens, max_model_len))
+
+
+def profile_activation_peak(
+    accelerator: Any, model: Any, ops: Any, model_cfg: ModelConfig, *, device: Any, dtype: torch.dtype,
+    page_size: int, tokens: int, device_index: int = 0,
+) -> int:
+    """The activation peak of one forward of ``tokens`` prompt tokens, as
+    vLLM's ``determine_available_memory`` profiles it: run once, before the
+    KV pool exists, in a scratch pool just big enough (its pages count in
+    the peak: a little over, never under). Every rank of a multi-rank run
+    calls it together (the forward's collectives)."""
+    from plinth.engine.kv_cache_manager import KVCacheManager
+    from plinth.engine.step_plan import prefill_forward
+
+    pages = -(-tokens // page_size) + 1
+    runner = ModelRunner(model, ops, model_cfg, device=device, dtype=dtype, num_pages=pages, page_size=page_size, enable_caching=False)
+    kv = KVCacheManager(runner.kv_groups, hash_seed=0, copy_pages=runner.copy_pages)
+    forward = prefill_forward(runner, kv)
+    return int(accelerator.measure_peak(lambda: forward(tokens), device_index))  # the scratch pool goes with this frame
+
+
+def draft_weight_bytes(config: EngineConfig) -> int:
+    """A draft model's weights, which load after the KV pool is sized: its
+    checkpoint's size on disk (safetensors or GGUF), 0 without one."""
+    if not config.speculative_model:
+        return 0
+    import os
+
+    from plinth.weights import safetensors_files
+
+    path = config.speculative_model
+    try:
+        files = [path] if os.path.isfile(path) else [str(f) for f in safetensors_files(path)]
+        return sum(os.path.getsize(f) for f in files)
+    except (ConfigError, OSError):
+        return 0  # the draft fails to load later, with its own reason
+
+
 @dataclass
 class KVPoolPlan:
     """The KV pool of one process: usable pages of each KV-cache group."""
@@ -185,12 +260,16 @@ class KVPoolPlan:
 
 def kv_pool_pages(
     config: EngineConfig, accelerator: Any, model: Any, dtype: torch.dtype, *, max_model_len: int, device_index: int = 0,
+    activation_peak: int = 0, reserved: int = 0,
 ) -> KVPoolPlan:
     """The pages of each KV-cache group, from the specs the model gives its
     layers: ``--num-pages`` (or what the memory budget holds) for groups that
     keep every token, never more than every sequence at full length could
     use; a group that forgets (a sliding window) gets only what its window,
-    each step's new tokens and the sequences it holds at once can use."""
+    each step's new tokens and the sequences it holds at once can use. The
+    budget is asked after the weights loaded: they count once (``weights``),
+    not again through ``free``; the profiled activation peak and
+    ``reserved`` (a2a buffers, a draft model) are left out too."""
     ps = config.page_size
     groups = spec_groups(kv_cache_specs(model))
     if not groups:
@@ -213,7 +292,15 @@ def kv_pool_pages(
         budget = int(config.kv_cache_memory * (1 << 30))
     else:
         free, total = accelerator.memory(device_index)
-        budget = accelerator.kv_cache_budget(free=free, total=total, weights=model.weight_bytes())
+        budget = accelerator.kv_cache_budget(
+            free=free, total=total, weights=model.weight_bytes(), activation_peak=activation_peak, reserved=reserved,
+            utilization=config.gpu_memory_utilization,
+        )  # fmt: skip
+        log.info(
+            "KV budget: %.2f GiB = min(%.2f x %.2f GiB total - %.2f weights - %.2f activation peak - %.2f buffers, %.2f free - peak)",
+            budget / 2**30, config.gpu_memory_utilization, total / 2**30, model.weight_bytes() / 2**30,
+            activation_peak / 2**30, reserved / 2**30, free / 2**30,
+        )  # fmt: skip
     lo, hi = 0, max(caps)  # the largest group's pages that the budget holds, the others following
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -222,6 +309,32 @@ def kv_pool_pages(
         else:
             hi = mid - 1
     return KVPoolPlan(pages(lo), page_bytes, budget)
+
+
+def planned_layout(config: EngineConfig, registry: PluginRegistry) -> PlannedLayout:
+    """What the launcher knows before any rank exists: the process layout,
+    the accelerator's device kind, the model's MoE shape (read from its
+    config, no weights) and the step token budget of a multi-rank run."""
+    from plinth.engine.parallel import ParallelLayout
+    from plinth.engine.step_plan import plan_step
+
+    layout = ParallelLayout.resolve(config.tp, config.dp, config.ep)
+    options = dict(config.plugin_options)
+    info = registry.select("accelerator", config.device, SelectionContext(options=options)).load()().info()
+    model: dict[str, Any] = {}
+    try:  # a model that cannot be located fails later, with its own reason; the plan judges what is known
+        source = locate_model(config.model, registry)
+        cfg = choose_model_loader(registry, source, SelectionContext(options=options)).load()().load_config(source)
+        model = dict(hidden_size=cfg.hidden_size, num_experts=cfg.num_experts, top_k=int(cfg.raw.get("num_experts_per_tok", 0) or 0))
+    except (ConfigError, PluginError, OSError) as exc:
+        log.debug("planned layout without the model's shape: %s", exc)
+    step = plan_step(config, max_model_len=0, distributed=True)  # the budget every multi-rank run takes
+    return PlannedLayout(
+        world=layout.world, tp=layout.tp, dp=layout.dp, ep=layout.ep, nnodes=config.nnodes,
+        local_world=max(1, layout.world // max(1, config.nnodes)), device_type=info.device_type,
+        capability=info.capability or "", dtype=config.dtype, max_tokens_per_step=step.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, **model,
+    )  # fmt: skip
 
 
 class JoinWorld(Protocol):
@@ -236,9 +349,11 @@ class JoinWorld(Protocol):
 
     def join(self, accelerator: Any) -> ParallelGroups:
         """Rendezvous, the process group, the TP/DP/EP groups."""
+        ...
 
     def agree_num_pages(self, num_pages: int) -> int:
         """The smallest KV pool any rank can hold."""
+        ...
 
 
 @dataclass
@@ -276,10 +391,35 @@ class Started:
         )  # fmt: skip
 
 
-def check_a2a(config: EngineConfig, registry: PluginRegistry) -> None:
-    """With ep > 1 the a2a plugin validates before anything loads: a named one fails with its reasons."""
-    if config.ep != 1:
-        registry.select("a2a", config.a2a, SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options)))
+def check_a2a(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
+    """With ep > 1, the a2a plugin judged against the planned layout in the
+    launcher, before anything loads or any rank starts (a named one fails
+    with every candidate's reasons); the config returned names the one
+    chosen, which every rank builds (``build_a2a``)."""
+    if config.ep == 1:
+        return config
+    ctx = SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=planned_layout(config, registry))
+    entry = registry.select("a2a", config.a2a, ctx)
+    log.info("a2a: %s for %s", entry.label(), ctx.layout)
+    return dataclasses.replace(config, a2a=entry.name)
+
+
+def build_a2a(config: EngineConfig, registry: PluginRegistry, ctx: SelectionContext, groups: ParallelGroups, model_cfg: ModelConfig, first: bool) -> tuple[Any, int]:
+    """This rank's a2a plugin and the device bytes of its buffers, made now
+    (every rank together), before the weights load and the KV pool is
+    sized. The launcher judged the planned layout and named the plugin
+    (``check_a2a``); a node started alone with ``--a2a auto`` judges the
+    same plan here."""
+    ctx = dataclasses.replace(ctx, layout=planned_layout(config, registry))
+    entry = registry.get("a2a", config.a2a) if config.a2a != "auto" else registry.select("a2a", "auto", ctx)
+    a2a = entry.load()(ctx, group=groups.ep_group, num_experts=model_cfg.num_experts, hidden_size=model_cfg.hidden_size)
+    try:
+        reserved = int(a2a.reserve_buffers())
+    except Exception as exc:
+        raise PluginError(f"a2a {entry.label()} could not set up its buffers: {type(exc).__name__}: {exc}") from exc
+    if first:
+        log.info("a2a: %s over %d ranks, %.1f MiB of buffers per rank", entry.label(), ctx.layout.ep, reserved / 2**20)
+    return a2a, reserved
 
 
 def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWorld | None = None) -> Started:
@@ -316,13 +456,11 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
     tried = [backend_entry.name] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e is not backend_entry]
     check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
     parallel: dict[str, Any] = {}
+    a2a_bytes = 0
     if groups is not None:
         a2a = None
         if groups.layout.ep > 1:
-            a2a_entry = registry.select("a2a", config.a2a, ctx)
-            a2a = a2a_entry.load()(ctx, group=groups.ep_group, num_experts=model_cfg.num_experts, hidden_size=model_cfg.hidden_size)
-            if first:
-                log.info("a2a: %s over %d ranks", a2a_entry.label(), groups.layout.ep)
+            a2a, a2a_bytes = build_a2a(config, registry, ctx, groups, model_cfg, first)
         parallel = dict(
             tp_rank=groups.tp_rank, tp_size=groups.layout.tp, tp_group=groups.tp_group,
             ep_rank=groups.ep_rank, ep_size=groups.layout.ep, ep_group=groups.ep_group, a2a=a2a,
@@ -333,7 +471,16 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
         device=device, dtype=dtype, ops=ops, progress=config.load_progress and first, dequantize=config.dequantize, **parallel
     )
     model = loader.load_model(source, model_cfg, load_ctx)
-    plan = kv_pool_pages(config, accelerator, model, dtype, max_model_len=max_model_len, device_index=local_rank)
+    peak = 0
+    if needs_memory_budget(config):  # ranks: every rank together (the forward's collectives)
+        peak = profile_activation_peak(
+            accelerator, model, ops, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
+            tokens=profiling_tokens(config, max_model_len), device_index=local_rank,
+        )  # fmt: skip
+    plan = kv_pool_pages(
+        config, accelerator, model, dtype, max_model_len=max_model_len, device_index=local_rank, activation_peak=peak,
+        reserved=a2a_bytes + draft_weight_bytes(config),
+    )  # fmt: skip
     if world is not None:
         if len(plan.pages) > 1:  # the step payload carries one block table per sequence
             raise ConfigError(
@@ -392,8 +539,6 @@ def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionCon
 def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: SelectionContext, model_cfg: ModelConfig, tokenizer: Any, draft: dict[str, Any]) -> Any:
     """The proposer named by ``--speculative-method``, validated with a
     ``ProposerContext`` (a named plugin fails with every candidate's reasons)."""
-    import dataclasses
-
     from plinth.api import ProposerContext
     from plinth.engine.speculative import SpecDecoder, StepCostModel
 

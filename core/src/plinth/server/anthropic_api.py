@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -133,7 +133,10 @@ def tool_plan(req: MessagesRequest) -> ToolPlan:
     return plan_tools(tools, mode, tc.name if tc else None, parallel)
 
 
-def stop_reason(finish: str | None, reason: int | str | None, stop_sequences: list[str]) -> tuple[str | None, str | None]:
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+def stop_reason(finish: str | None, reason: int | str | None, stop_sequences: list[str]) -> tuple[StopReason | None, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for a finished choice."""
     if finish == "tool_calls":
         return "tool_use", None
@@ -261,7 +264,7 @@ class _MessageStream:
             out += self._close(reason, seq)
         return out
 
-    def _close(self, reason: str | None, seq: str | None) -> list[str]:
+    def _close(self, reason: StopReason | None, seq: str | None) -> list[str]:
         out = []
         if self.blocks.kind is None and self.blocks.index < 0:
             out.append(self.blocks.open("text"))  # an empty answer still has its text block

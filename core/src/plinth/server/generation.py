@@ -22,7 +22,7 @@ requests and frees their pages on every route alike.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -133,12 +133,15 @@ class StreamRenderer(Protocol):
 
     def start(self) -> Iterable[str]:
         """Before anything from the engine."""
+        ...
 
     def event(self, ev: Event) -> Iterable[str]:
         """For each event, in order."""
+        ...
 
     def end(self) -> Iterable[str]:
         """After the last event (``Done`` or ``Failed``)."""
+        ...
 
 
 # ---------------------------------------------------------------------------
@@ -251,7 +254,7 @@ class Run:
         """Whether reasoning or tool calls are read out of the text."""
         return self.parsers[0][0].active
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncGenerator[Event, None]:
         choices = {p * self.n + i: _Choice(op) for p, ops in enumerate(self.parsers) for i, op in enumerate(ops)}
         usage: dict[int, tuple[int, int, int]] = {}  # prompt -> (prompt tokens, output tokens, cached)
         stream = merged(self.gens)
@@ -317,7 +320,7 @@ class Run:
             stop_reason=c.stop_reason,
         )
 
-    async def sse(self, renderer: StreamRenderer) -> AsyncIterator[str]:
+    async def sse(self, renderer: StreamRenderer) -> AsyncGenerator[str, None]:
         events = self.events()
         try:
             for chunk in renderer.start():

@@ -240,7 +240,7 @@ class ServerMetrics:
 
     def _twin(self, metric: Any) -> Any:
         """``metric`` under vLLM's name, labels and (for histograms) buckets."""
-        short = metric._name.removeprefix("plinth:")
+        short: str = metric._name.removeprefix("plinth:")
         name = "vllm:" + _VLLM_RENAMED.get(short, short)
         labels = ["model_name", "engine", *metric._labelnames[1:]]
         kw: dict[str, Any] = {"registry": self.registry}
@@ -256,9 +256,6 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-    def track(self) -> RequestTracker:
-        return RequestTracker(self)
 
 
 class RequestTracker:

@@ -82,7 +82,9 @@ class PrefixIndex:
                 elif tag == "AllBlocksCleared":
                     self.clear_locked()
 
-    def _stored(self, hashes: list[Any], parent: Any, tokens: list[int], size: int) -> None:
+    def _stored(self, hashes: list[Any] | None, parent: Any, tokens: list[int] | None, size: int | None) -> None:
+        if hashes is None or tokens is None or size is None:  # a location-only update: no tokens to key pages by
+            return
         self.block_size = size
         key = 0 if parent is None else self.by_hash.get(_hashable(parent))
         if key is None:  # its parent was never seen (events lost): its keys would be wrong

@@ -11,7 +11,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -340,7 +340,7 @@ class Generation:
         self.tracker = tracker
         self.last: RequestOutput | None = None
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
+    async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
         reason: str | None = "abort"
         try:
             try:
@@ -387,7 +387,7 @@ async def _quiet_aclose(agen: Any) -> None:
         await agen.aclose()
 
 
-async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(gens: list[Generation]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Outputs of several requests as they come: (request index, output)."""
     if len(gens) == 1:
         agen = gens[0].outputs()

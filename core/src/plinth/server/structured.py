@@ -71,6 +71,7 @@ def check_json_schema(schema: Any, param: str) -> None:
         raise RequestError(f"{param} must be a JSON object, got {type(schema).__name__}", param=param, code="invalid_json_schema")
     try:
         import jsonschema
+        import jsonschema.validators
     except ImportError:  # pragma: no cover - jsonschema is optional
         return
     try:

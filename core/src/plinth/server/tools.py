@@ -203,17 +203,17 @@ class NamedFunctionParser(ToolParser):
 
     def __init__(self, name: str) -> None:
         super().__init__()
-        self.name = name
+        self.function = name
 
     def parse(self, text: str, *, final: bool) -> ToolParse:
         raw, end, valid = read_json_arguments(text, 0)
         if final:
             if valid and skip_ws(text, end or 0) == len(text):
-                return ToolParse("", [ToolCallItem(self.name, raw)])
+                return ToolParse("", [ToolCallItem(self.function, raw)])
             return ToolParse(text, [])
         if end == INVALID:
             return ToolParse("", [])
-        return ToolParse("", [ToolCallItem(self.name, raw, complete=end is not None)])
+        return ToolParse("", [ToolCallItem(self.function, raw, complete=end is not None)])
 
 
 class RequiredCallsParser(ToolParser):
@@ -346,10 +346,6 @@ class OutputParser:
                 out.calls.append(CallDelta(i, arguments=c.arguments[len(self._args[i]) :]))
                 self._args[i] = c.arguments
         return out
-
-    @property
-    def streamed_calls(self) -> int:
-        return len(self._args)
 
 
 def arguments_object(arguments: str) -> dict[str, Any]:

@@ -30,17 +30,24 @@ accelerator    ``check_accelerator``                       ``AcceleratorConforma
 backend        ``check_backend``                           ``BackendConformance``
 a2a            ``check_a2a``                               ``A2AConformance``
 kv_connector   ``check_kv_connector``                      ``KVConnectorConformance``
+model          ``check_model_loader``                      ``ModelLoaderConformance``
+proposer       ``check_proposer``                          ``ProposerConformance``
+tool_parser    ``check_tool_parser``                       ``ToolParserConformance``
+reasoning_     ``check_reasoning_parser``                  ``ReasoningParserConformance``
+parser
 =============  ==========================================  ===========================
 
-Extension points. A later category adds a module here (``a2a.py``:
-dispatch/combine round trips; ``kv_connector.py``: save/lookup/load round
-trips, as ``backend.py`` checks ops against the reference backend) with a
-``check_<category>(name, ...) -> Report`` function and a
-``<Category>Conformance(PluginConformance)`` class, and registers the function
-in ``CATEGORY_CHECKS`` below; ``check_plugin`` then dispatches to it.
-Shared pieces to reuse: ``Report`` (collect problems, raise once),
-``discover_all`` (the real discovery, ignoring the shell's allow/block lists),
-``IsolatedEnv`` (a fresh virtual environment for install tests).
+A plugin's tests import only these names and ``plinth.api``. Helpers for
+tests that go beyond the kit: ``resolve_op_table`` / ``op_table`` (the op
+table start-up builds for a backend), ``attention_metadata`` (a step's
+metadata for given sequences and pages), ``kv_test_layout``,
+``kv_value_bytes`` and ``kv_key`` (a KV connector's layout, stored value size
+and store keys),
+``bundled_model_path`` (the bundled default GGUF, or None), ``run_ranks``
+(a function on N real processes), ``IsolatedEnv`` (a fresh virtual
+environment for install tests), ``discover_all`` (the real discovery,
+ignoring the shell's allow/block lists), ``Report`` (collect problems, raise
+once).
 """
 
 from __future__ import annotations
@@ -51,17 +58,24 @@ from typing import Any
 from plinth.testing._report import ConformanceError, Report
 from plinth.testing.a2a import check_a2a
 from plinth.testing.accelerator import AcceleratorReport, check_accelerator
-from plinth.testing.backend import check_backend
+from plinth.testing.backend import attention_metadata, check_backend, op_table, resolve_op_table
 from plinth.testing.conformance import (
     A2AConformance,
     AcceleratorConformance,
     BackendConformance,
     KVConnectorConformance,
+    ModelLoaderConformance,
     PluginConformance,
+    ProposerConformance,
+    ReasoningParserConformance,
+    ToolParserConformance,
 )
 from plinth.testing.distributed import run_ranks
 from plinth.testing.isolated import IsolatedEnv
-from plinth.testing.kv_connector import check_kv_connector
+from plinth.testing.kv_connector import check_kv_connector, kv_key, kv_test_layout, kv_value_bytes
+from plinth.testing.model import bundled_model_path, check_model_loader
+from plinth.testing.parsers import check_reasoning_parser, check_tool_parser
+from plinth.testing.proposer import FakeDraftRunner, FakeTokenizer, check_proposer
 from plinth.testing.registration import (
     FORBIDDEN_AT_CHECK,
     FORBIDDEN_AT_ENTRY_POINT,
@@ -70,13 +84,16 @@ from plinth.testing.registration import (
     discover_all,
 )
 
-#: category -> its check function ``(name, **kwargs) -> Report``; later
-#: categories add theirs (see the module docstring).
+#: category -> its check function ``(name, ...) -> Report``
 CATEGORY_CHECKS: dict[str, Callable[..., Report]] = {
     "a2a": check_a2a,
     "accelerator": check_accelerator,
     "backend": check_backend,
     "kv_connector": check_kv_connector,
+    "model": check_model_loader,
+    "proposer": check_proposer,
+    "tool_parser": check_tool_parser,
+    "reasoning_parser": check_reasoning_parser,
 }
 
 
@@ -85,10 +102,7 @@ def check_plugin(category: str, name: str, **kwargs: Any) -> Report:
     try:
         check = CATEGORY_CHECKS[category]
     except KeyError:
-        raise NotImplementedError(
-            f"plinth.testing has no {category} checks yet (it has: {', '.join(CATEGORY_CHECKS)}); "
-            "check_registration covers every category"
-        ) from None
+        raise ValueError(f"unknown category {category!r} (categories: {', '.join(CATEGORY_CHECKS)})") from None
     return check(name, **kwargs)
 
 
@@ -102,16 +116,33 @@ __all__ = [
     "BackendConformance",
     "ConformanceError",
     "IsolatedEnv",
+    "FakeDraftRunner",
+    "FakeTokenizer",
     "KVConnectorConformance",
+    "ModelLoaderConformance",
     "PluginConformance",
+    "ProposerConformance",
+    "ReasoningParserConformance",
+    "ToolParserConformance",
     "Report",
+    "attention_metadata",
+    "bundled_model_path",
     "check_a2a",
     "check_accelerator",
     "check_backend",
     "check_cheap_import",
     "check_kv_connector",
+    "check_model_loader",
+    "check_proposer",
+    "check_reasoning_parser",
+    "check_tool_parser",
     "check_plugin",
     "check_registration",
     "discover_all",
+    "kv_key",
+    "kv_test_layout",
+    "kv_value_bytes",
+    "op_table",
+    "resolve_op_table",
     "run_ranks",
 ]

@@ -40,18 +40,29 @@ def _experts(got: Any, start: int, scaled: bool) -> Any:
     raise AssertionError(f"unknown layout {got.layout!r}")
 
 
-def a2a_rank(rank: int, world: int, name: str, seed: int = 0, uneven: bool = True) -> list[tuple[bool, str, str]]:
+def planned(world: int, hidden: int, num_experts: int, device_type: str = "", capability: str = "") -> Any:
+    """The PlannedLayout the round trips run under: ep = world, at most 16
+    tokens and top-k 4 per rank."""
+    from plinth.api import PlannedLayout
+
+    return PlannedLayout(
+        world=world, dp=world, ep=world, local_world=world, device_type=device_type, capability=capability,
+        hidden_size=hidden, num_experts=num_experts, top_k=4, max_tokens_per_step=16, max_num_seqs=16,
+    )  # fmt: skip
+
+
+def a2a_rank(rank: int, world: int, name: str, seed: int = 0, uneven: bool = True, device_type: str = "") -> list[tuple[bool, str, str]]:
     """One rank's round trips (run by ``run_ranks``): [(ok, what, detail)],
     with 3 experts a rank and, when ``uneven``, with one expert more than
     that (rank 0 owns 4: ``plinth.api.expert_ranges``)."""
     out: list[tuple[bool, str, str]] = []
     for num_experts in (3 * world, 3 * world + 1) if uneven else (3 * world,):
         tag = f"{num_experts} experts"
-        out += [(ok, f"{tag}, {what}", detail) for ok, what, detail in _round_trips(rank, world, name, seed, num_experts)]
+        out += [(ok, f"{tag}, {what}", detail) for ok, what, detail in _round_trips(rank, world, name, seed, num_experts, device_type)]
     return out
 
 
-def _round_trips(rank: int, world: int, name: str, seed: int, num_experts: int) -> list[tuple[bool, str, str]]:
+def _round_trips(rank: int, world: int, name: str, seed: int, num_experts: int, device_type: str) -> list[tuple[bool, str, str]]:
     import torch
     import torch.distributed as dist
 
@@ -64,8 +75,9 @@ def _round_trips(rank: int, world: int, name: str, seed: int, num_experts: int) 
     hidden = 40
     ranges = expert_ranges(num_experts, world)
     per, start = len(ranges[rank]), ranges[rank].start
-    ctx = SelectionContext(ep=world)
+    ctx = SelectionContext(ep=world, layout=planned(world, hidden, num_experts, device_type))
     a2a = cls(ctx, group=dist.group.WORLD, num_experts=num_experts, hidden_size=hidden)
+    a2a.reserve_buffers()  # every rank together, as the engine does at start-up
     g = torch.Generator().manual_seed(seed * 1000 + rank + num_experts * 7)
 
     def routing(tokens: int, top_k: int, allowed: list[int]) -> tuple[Any, Any]:
@@ -135,15 +147,14 @@ def check_a2a(name: str, *, worlds: tuple[int, ...] = (2, 4), backend: str | Non
     report = Report(f"a2a {name}")
     registry = discover_all()
     entry = registry.get("a2a", name)
-    reasons = entry.evaluate(SelectionContext(ep=max(worlds)))
+    info = registry.select("accelerator", "auto", SelectionContext()).load()().info()
+    reasons = entry.evaluate(SelectionContext(ep=max(worlds), layout=planned(max(worlds), 40, 3 * max(worlds), info.device_type, info.capability)))
     if reasons:
         report.skip(f"unavailable here: {'; '.join(reasons)}")
         return report.raise_for_problems()
-    if backend is None:
-        acc = registry.select("accelerator", "auto", SelectionContext()).load()()
-        backend = acc.info().dist_backend
+    group_backend = backend if backend is not None else str(info.dist_backend)
     for world in worlds:
-        per_rank = run_ranks(a2a_rank, world, name, 0, uneven, backend=backend, timeout=timeout)
+        per_rank = run_ranks(a2a_rank, world, name, 0, uneven, info.device_type, backend=group_backend, timeout=timeout)
         for rank, results in enumerate(per_rank):
             for ok, what, detail in results:
                 report.expect(ok, f"{world} ranks, rank {rank}: {what}", detail)

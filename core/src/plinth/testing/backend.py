@@ -31,8 +31,30 @@ def _close(report: Report, what: str, got: Any, want: Any, tol: float) -> None:
     report.expect(worst <= 0 and bool(torch.isfinite(got).all()), what, f"max abs diff {float(err.max()):.3g} (tolerance {tol})")
 
 
-def _meta(seqs: list[tuple[int, int]], tables: list[list[int]], page_size: int, device: Any) -> Any:
-    """AttentionMetadata for sequences given as (cached length, new tokens)."""
+def resolve_op_table(backend: str, ctx: Any) -> tuple[Any, dict[str, str]]:
+    """(the op table, op -> the backend it came from) that start-up builds
+    for ``--backend backend`` in ``ctx``, through the real discovery
+    (``"reference"``: the reference backend alone)."""
+    from plinth.engine.startup import resolve_ops
+
+    registry = discover_all()
+    if backend == "reference":
+        entry = next((e for e in registry.entries["backend"] if getattr(e.descriptor, "reference", False)), None)
+        if entry is None:
+            raise LookupError("no reference backend is installed")
+    else:
+        entry = registry.get("backend", backend)
+    return resolve_ops(registry, entry, ctx)
+
+
+def op_table(ctx: Any, backend: str = "reference") -> Any:
+    """The op table of ``resolve_op_table``, without the sources."""
+    return resolve_op_table(backend, ctx)[0]
+
+
+def attention_metadata(seqs: list[tuple[int, int]], tables: list[list[int]], page_size: int, device: Any) -> Any:
+    """AttentionMetadata for sequences given as (cached length, new tokens),
+    sequence i's pages ``tables[i]``."""
     import torch
 
     from plinth.api import AttentionMetadata
@@ -92,7 +114,7 @@ def _check_attention(report: Report, ops: Any, ref: Any, dtype: Any, device: Any
         v = torch.randn(t, num_kv, dim, generator=g).to(dtype).to(device)
         outs = []
         for table, cache in zip((ops, ref), caches):
-            meta = _meta(seqs, tables[: len(seqs)], page_size, device)
+            meta = attention_metadata(seqs, tables[: len(seqs)], page_size, device)
             table.prepare_attention(meta)
             outs.append(table.attention(q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window))
         _close(report, f"{label}, step {i + 1} {seqs}", outs[0], outs[1], tol)
@@ -106,7 +128,7 @@ def _check_attention(report: Report, ops: Any, ref: Any, dtype: Any, device: Any
     v = torch.randn(1, num_kv, dim, generator=g).repeat(2, 1, 1).to(dtype).to(device)
     outs = []
     for table, cache in zip((ops, ref), caches):
-        meta = _meta(seqs, [tables[0], tables[2]], page_size, device)
+        meta = attention_metadata(seqs, [tables[0], tables[2]], page_size, device)
         table.prepare_attention(meta)
         outs.append(table.attention(q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window))
     _close(report, f"{label}, after copy_pages (a fork decodes like its parent)", outs[0][1], outs[0][0], tol)
@@ -139,7 +161,7 @@ def _check_qkv_attention(report: Report, ops: Any, ref: Any, dtype: Any, device:
         qkv = torch.randn(t, (num_heads + 2 * num_kv) * dim, generator=g).to(dtype).to(device)
         outs = []
         for table, cache in zip((ops, ref), caches):
-            meta = _meta(seqs, tables, page_size, device)
+            meta = attention_metadata(seqs, tables, page_size, device)
             table.prepare_attention(meta)
             if table is ops:
                 outs.append(ops.qkv_attention(qkv, meta.positions, cos_sin, True, cache, meta, **kw))
@@ -178,7 +200,7 @@ def check_backend(
     acc_entry = registry.select("accelerator", accelerator, SelectionContext())
     acc = acc_entry.load()()
     device = acc.device(0)
-    references = [e for e in registry.entries["backend"] if e.descriptor.reference]
+    references = [e for e in registry.entries["backend"] if getattr(e.descriptor, "reference", False)]
     if not references:
         report.problem("no reference backend is installed to compare against")
         return report.raise_for_problems()

@@ -20,6 +20,9 @@ from plinth.testing.a2a import check_a2a
 from plinth.testing.accelerator import check_accelerator
 from plinth.testing.backend import check_backend
 from plinth.testing.kv_connector import check_kv_connector
+from plinth.testing.model import check_model_loader
+from plinth.testing.parsers import check_reasoning_parser, check_tool_parser
+from plinth.testing.proposer import check_proposer
 from plinth.testing.registration import check_cheap_import, check_registration, discover_all
 
 
@@ -27,7 +30,8 @@ class PluginConformance:
     """Checks every plugin passes, whatever its category.
 
     category:     the plinth category ("accelerator", "backend", "model", "a2a",
-                  "kv_connector"); set by the category's subclass.
+                  "kv_connector", "proposer", "tool_parser",
+                  "reasoning_parser"); set by the category's subclass.
     name:         the name the plugin registers (``--device npu`` -> "npu").
     distribution: the distribution to check; default: the one that registers
                   ``name`` in ``category``.
@@ -133,3 +137,52 @@ class KVConnectorConformance(PluginConformance):
     def test_round_trips_and_faults(self) -> None:
         """save/lookup/load; corrupt, truncated, foreign values missed; a store that raises or stalls never stalls."""
         check_kv_connector(self.name, config=self.connector_config(), deadline_s=self.deadline_s)
+
+
+class ModelLoaderConformance(PluginConformance):
+    """The registration checks plus a model built from ``model_path()`` (a
+    tiny checkpoint of an architecture the loader names) computing through
+    the paged KV cache: chunked prefill and decode give the whole prefill's
+    logits. ``tokenizer = False`` for a checkpoint without one."""
+
+    category: ClassVar[str] = "model"
+    tokenizer: ClassVar[bool] = True
+
+    def model_path(self) -> str:
+        raise NotImplementedError(f"{type(self).__name__}: return a checkpoint path from model_path()")
+
+    def test_builds_and_computes_a_model(self) -> None:
+        check_model_loader(self.name, self.model_path(), tokenizer=self.tokenizer)
+
+
+class ProposerConformance(PluginConformance):
+    """The registration checks plus proposals from a proposer built with a
+    ``ProposerContext`` (fake draft runner and tokenizers)."""
+
+    category: ClassVar[str] = "proposer"
+    options: ClassVar[dict[str, Any]] = {}
+
+    def test_proposals(self) -> None:
+        check_proposer(self.name, options=dict(self.options))
+
+
+class ToolParserConformance(PluginConformance):
+    """The registration checks plus the tool-parser promises on ``samples``
+    (outputs in the parser's format, each with a well-formed call)."""
+
+    category: ClassVar[str] = "tool_parser"
+    samples: ClassVar[tuple[str, ...]] = ()
+
+    def test_parses_whole_and_streamed(self) -> None:
+        check_tool_parser(self.name, self.samples)
+
+
+class ReasoningParserConformance(PluginConformance):
+    """The registration checks plus the reasoning-parser promises on
+    ``samples``: (prompt, output) pairs with reasoning."""
+
+    category: ClassVar[str] = "reasoning_parser"
+    samples: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def test_parses_whole_and_streamed(self) -> None:
+        check_reasoning_parser(self.name, self.samples)

@@ -18,6 +18,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Mapping
 
+from plinth.api import KVConnector
 from plinth.testing._report import Report
 from plinth.testing.registration import discover_all
 
@@ -36,6 +37,22 @@ def kv_test_layout(*, page_bytes: int = 4096, page_size: int = 4, fingerprint: s
     )
 
 
+def kv_value_bytes(page_bytes: int) -> int:
+    """The bytes a connector stores for one page of ``page_bytes``: the
+    header the core writes and checks, then the page."""
+    from plinth.engine.kv_transfer import HEADER_BYTES
+
+    return HEADER_BYTES + page_bytes
+
+
+def kv_key(layout: Any, page_hash: int) -> str:
+    """The store key the core uses for the page with chained hash
+    ``page_hash`` under ``layout``."""
+    from plinth.engine.kv_transfer import make_key
+
+    return make_key(layout, page_hash)
+
+
 class _Pages:
     """A tiny KV cache: pages of random bytes."""
 
@@ -52,10 +69,11 @@ class _Pages:
         self.data[list(pages)] = values
 
 
-class _Faulty:
+class _Faulty(KVConnector):
     """Wraps a connector: every store call raises, or stalls for ``stall_s``."""
 
     def __init__(self, inner: Any, mode: str, stall_s: float = 2.0) -> None:
+        # no KVConnector.__init__: every call goes to ``inner``
         self.inner, self.mode, self.stall_s = inner, mode, stall_s
 
     def _fault(self) -> None:
@@ -129,8 +147,10 @@ def check_kv_connector(
         cls = discover_all().get("kv_connector", name).load()
         report.expect(issubclass(cls, KVConnector), "the implementation subclasses KVConnector")
 
-        def make(layout: Any) -> Any:
+        def build(layout: Any) -> Any:
             return cls(SelectionContext(), config=dict(config or {}), layout=layout)
+
+        make = build
 
     layout = kv_test_layout(page_bytes=page_bytes)
     src = _Pages(num_pages, page_bytes, seed=1)

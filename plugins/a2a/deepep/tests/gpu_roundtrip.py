@@ -12,7 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from plinth.api import SelectionContext
+from plinth.api import PlannedLayout, SelectionContext
 from plinth.testing.a2a import _expected, _experts
 
 
@@ -24,15 +24,23 @@ def main() -> int:
     from plinth_plugin_deepep.a2a import DeepEPAllToAll
 
     experts, hidden, top_k, max_tokens = 32 * world, 7168, 8, 128
-    reasons = DeepEPAllToAll.check(SelectionContext(ep=world))
+    local = torch.cuda.device_count()
+    cap = torch.cuda.get_device_capability()
+    plan = PlannedLayout(
+        world=world, dp=world, ep=world, nnodes=max(1, world // local), local_world=min(world, local), device_type="cuda",
+        capability=f"sm_{cap[0]}{cap[1]}", dtype="bfloat16", hidden_size=hidden, num_experts=experts, top_k=top_k,
+        max_tokens_per_step=4096, max_num_seqs=max_tokens,
+    )  # fmt: skip
+    reasons = DeepEPAllToAll.check(SelectionContext(ep=world, layout=plan))
     if reasons:
         print(f"rank {rank}: deepep cannot run: {'; '.join(reasons)}", flush=True)
         return 2
     generations = ["legacy"] + (["v2"] if hasattr(deep_ep, "ElasticBuffer") else [])
     failed = False
     for gen in generations:
-        ctx = SelectionContext(ep=world, options={"deepep_generation": gen, "deepep_max_tokens_per_rank": max_tokens})
-        a2a = DeepEPAllToAll(ctx, group=dist.group.WORLD, num_experts=experts, hidden_size=hidden, num_topk=top_k)
+        ctx = SelectionContext(ep=world, options={"deepep_generation": gen}, layout=plan)
+        a2a = DeepEPAllToAll(ctx, group=dist.group.WORLD, num_experts=experts, hidden_size=hidden)
+        a2a.reserve_buffers()
         g = torch.Generator(device="cuda").manual_seed(rank)
         for tokens, decode in ((4096, False), (max_tokens, True), (7, True), (0 if rank == 1 else 33, False)):
             x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)

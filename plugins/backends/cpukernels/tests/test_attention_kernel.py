@@ -6,7 +6,6 @@ scoring) per token through the kernel; long prefill chunks to the reference."""
 import pytest
 import torch
 from plinth.api import AttentionMetadata, SelectionContext, load_accelerator
-from plinth.engine.startup import resolve_ops  # noqa: F401  (the engine composes ops the same way)
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend
 from plinth_plugin_torch.backend import TorchBackend
 

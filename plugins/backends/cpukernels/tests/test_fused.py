@@ -88,23 +88,3 @@ def test_fused_equals_rotary_then_attention(ops, dtype, page_size, heads, is_neo
     torch.testing.assert_close(outs[0].float(), outs[1].float(), **tol)
     for a, b in zip(*caches):  # k rotated and v copied into the same slots, rounded the same way
         torch.testing.assert_close(a.float(), b.float(), **tol)
-
-
-def test_a_backend_bringing_the_fused_op_must_bring_its_kv_layout():
-    from types import SimpleNamespace
-
-    from plinth.api import Backend, PluginError
-    from plinth.engine.startup import resolve_ops
-
-    class Partial(Backend):
-        @classmethod
-        def check(cls, ctx):
-            return []
-
-        def ops(self):
-            return {"qkv_attention": lambda *a, **k: None}
-
-    chosen = SimpleNamespace(load=lambda: Partial, label=lambda: "partial", name="partial", descriptor=SimpleNamespace(reference=False))
-    registry = SimpleNamespace(entries={"backend": []})
-    with pytest.raises(PluginError, match="qkv_attention"):
-        resolve_ops(registry, chosen, SelectionContext())

@@ -167,7 +167,7 @@ def test_a_weight_that_does_not_fit_is_refused():
 
 def test_the_backend_keeps_gguf_weights_in_blocks():
     """pack_linear takes a QuantizedWeight of format gguf_<type> to a
-    GGUFLinear; gguf_formats names the types and the path; other formats and
+    GGUFLinear; its capabilities name the types and the path; other formats and
     plain tensors are packed as before."""
     from plinth.api import load_accelerator
     from plinth_plugin_cpukernels.backend import CPUKernelsBackend
@@ -177,8 +177,10 @@ def test_the_backend_keeps_gguf_weights_in_blocks():
     from plinth_plugin_torch.backend import TorchBackend
 
     reference = TorchBackend(SelectionContext(accelerator=accelerator, dtype=torch.float32)).ops()
-    ops = CPUKernelsBackend(ctx, reference).ops()
-    formats, path = ops["gguf_formats"]()
+    backend = CPUKernelsBackend(ctx, reference)
+    ops = backend.ops()
+    formats, path = backend.capabilities().gguf_formats, backend.capabilities().gguf_path
+    assert "gguf_formats" not in ops
     assert set(formats) >= {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     assert gguf_kernel_path(accelerator.info().isa) in path
     blocks, dense = random_blocks("Q8_0", 40, 96)

@@ -31,9 +31,9 @@ def fake_dlinfer(monkeypatch):
 def fake_npu(monkeypatch, fake_dlinfer):
     """The fake dlinfer and the ``fakenpu`` accelerator: a registry that has it."""
     monkeypatch.syspath_prepend(str(FAKE_NPU))
-    from plinth.plugins import PluginRegistry
+    from plinth.testing import discover_all
 
-    registry = PluginRegistry.discover()
+    registry = discover_all()
     assert "fakenpu" in registry.names("accelerator"), "the fake NPU's entry point was not found"
     yield registry
     sys.modules.pop("plinth_test_fakenpu", None)

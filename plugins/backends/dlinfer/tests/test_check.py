@@ -22,9 +22,9 @@ def _accelerator(registry, name):
 
 
 def _cpu():
-    from plinth.plugins import PluginRegistry
+    from plinth.testing import discover_all
 
-    return _accelerator(PluginRegistry.discover(), "cpu")
+    return _accelerator(discover_all(), "cpu")
 
 
 def test_dlinfer_absent(monkeypatch):

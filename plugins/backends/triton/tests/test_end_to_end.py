@@ -133,25 +133,23 @@ def test_fp8_path_from_the_accelerator():
     path, why = fp8_path(SelectionContext(accelerator=h200))
     assert path == "w8a8" and "sm_90" in why and "128x128" in why
     path, why = fp8_path(SelectionContext(accelerator=a100))
-    assert path == "weight_only" and "sm_90" in why and "sm_80" in why
+    assert path == "weight_only_bits" and "sm_89" in why and "sm_80" in why  # no float8 pointer in Triton below sm_89
     path, why = fp8_path(SelectionContext(accelerator=FakeAccelerator("cpu", fp8="weight_only")))
     assert path == "weight_only" and "interpreter" in why
 
 
 def test_op_sources_declared_per_op():
     """Start-up's merge: the kernels' ops from triton, the rest from torch, as declared."""
-    from plinth.engine.startup import resolve_ops
-    from plinth.plugins import PluginRegistry
+    from plinth.api import load_accelerator
+    from plinth.testing import resolve_op_table
     from plinth_plugin_triton.backend import FROM_REFERENCE
 
-    registry = PluginRegistry.discover()
-    acc = registry.select("accelerator", "cpu", SelectionContext()).load()()
-    ctx = SelectionContext(accelerator=acc, dtype=torch.float32)
-    ops, sources = resolve_ops(registry, registry.get("backend", "triton"), ctx)
-    for op in ("attention", "prepare_attention", "fused_moe", "rms_norm", "linear", "pack_linear", "fp8_path"):
+    ctx = SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.float32)
+    ops, sources = resolve_op_table("triton", ctx)
+    for op in ("attention", "prepare_attention", "fused_moe", "rms_norm", "linear", "pack_linear"):
         assert sources[op] == "triton", op
     for op in ("rotary", "silu_and_mul"):
         assert sources[op] == "torch" and op in FROM_REFERENCE
     # allocate_kv_cache / copy_pages: the reference's functions, in triton's group (OP_GROUPS)
     assert sources["allocate_kv_cache"] == "triton" and "allocate_kv_cache" in FROM_REFERENCE
-    assert ops.fp8_path()[0] == "weight_only"
+    assert ops.capabilities.fp8 == "weight_only" and "fp8_path" not in ops.names()

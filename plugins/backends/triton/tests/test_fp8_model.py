@@ -1,5 +1,5 @@
 """An FP8 checkpoint through the triton backend (under the interpreter): the
-llama loader finds the backend's ``fp8_path`` op and keeps the dense layers'
+llama loader finds the backend's declared ``fp8`` capability and keeps the dense layers'
 projections in FP8 (q/k/v and gate/up fused with their block scales), which
 the backend packs for its weight-only kernel here (W8A8 needs native FP8).
 Logits within 1e-3 of the dequantized twin run by transformers."""
@@ -22,14 +22,10 @@ PROMPTS = [[5, 17, 99, 3], list(range(40, 61))]
 
 
 def triton_ops():
-    from plinth.api import SelectionContext
-    from plinth.engine.startup import resolve_ops
-    from plinth.plugins import PluginRegistry
+    from plinth.api import SelectionContext, load_accelerator
+    from plinth.testing import op_table
 
-    registry = PluginRegistry.discover()
-    acc = registry.select("accelerator", "cpu", SelectionContext()).load()()
-    ops, _ = resolve_ops(registry, registry.get("backend", "triton"), SelectionContext(accelerator=acc, dtype=torch.float32))
-    return ops
+    return op_table(SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.float32), backend="triton")
 
 
 @pytest.mark.parametrize("scheme", ["block", "tensor"])

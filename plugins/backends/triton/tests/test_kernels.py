@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plinth.api import QuantizedWeight
-from plinth.testing.backend import _meta
+from plinth.testing import attention_metadata
 from plinth_plugin_torch import attention as ref_attn
 from plinth_plugin_torch import ops as ref_ops
 from plinth_plugin_triton import fp8, moe, norm
@@ -48,7 +48,7 @@ def run_steps(dtype, page_size, heads, dim, tables, steps, *, window=None, cap=N
         v = torch.randn(t, num_kv, dim, generator=g).to(dtype)
         outs = []
         for table, cache in zip((mine, REFERENCE), caches):
-            meta = _meta(seqs, tables[: len(seqs)], page_size, "cpu")
+            meta = attention_metadata(seqs, tables[: len(seqs)], page_size, "cpu")
             table["prepare_attention"](meta)
             outs.append(table["attention"](q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window, logit_cap=cap))
         assert_close(outs[0], outs[1], TOL[dtype], f"step {i} {seqs}")
@@ -109,7 +109,7 @@ def test_single_decode_token_and_fork():
     mine = make_attention_ops(REFERENCE)
     k_pages, v_pages = mine["allocate_kv_cache"](num_pages=8, page_size=7, num_kv_heads=2, head_dim=16, v_head_dim=16, dtype=torch.float32, device=torch.device("cpu"))
     q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
-    meta = _meta([(0, 1)], [[3]], 7, "cpu")
+    meta = attention_metadata([(0, 1)], [[3]], 7, "cpu")
     mine["prepare_attention"](meta)
     out = mine["attention"](q, k, v, (k_pages, v_pages), meta, scale=0.25)
     # one key: the output is that key's value for each query head of its group
@@ -117,7 +117,7 @@ def test_single_decode_token_and_fork():
     mine["copy_pages"]([(k_pages, v_pages)], torch.tensor([3]), torch.tensor([5]))
     q2 = torch.randn(1, 4, 16).repeat(2, 1, 1)
     k2, v2 = torch.randn(1, 2, 16).repeat(2, 1, 1), torch.randn(1, 2, 16).repeat(2, 1, 1)
-    meta = _meta([(1, 1), (1, 1)], [[3], [5]], 7, "cpu")
+    meta = attention_metadata([(1, 1), (1, 1)], [[3], [5]], 7, "cpu")
     mine["prepare_attention"](meta)
     out = mine["attention"](q2, k2, v2, (k_pages, v_pages), meta, scale=0.25)
     assert_close(out[1], out[0], 1e-6, "fork")
@@ -240,10 +240,13 @@ def test_fp8_block_gemms(dtype):
         x = torch.randn(rows, k, generator=g).to(dtype)
         bias = torch.randn(n, generator=g).to(dtype)
         want = ref_ops.linear(x, qw, bias)
-        wo = fp8.pack(qw, native=False)
+        wo = fp8.pack(qw, "weight_only")
         assert wo.mode == "weight_only"
         assert_close(fp8.linear(x, wo, bias), want, TOL[dtype] * 2, f"weight-only, {rows} rows")
-        w8 = fp8.pack(qw, native=True)
+        bits = fp8.pack(qw, "weight_only_bits")  # below sm_89: the bytes as uint8, decoded in the kernel
+        assert bits.mode == "weight_only_bits" and bits.qweight.dtype == torch.uint8
+        assert_close(fp8.linear(x, bits, bias), want, TOL[dtype] * 2, f"weight-only from bytes, {rows} rows")
+        w8 = fp8.pack(qw, "w8a8")
         assert w8.mode == "w8a8"
         got = fp8.linear(x, w8, bias)
         xq, xs = fp8.act_quant(x)  # the kernel's own quantized activations (act_quant is tested above)
@@ -252,7 +255,7 @@ def test_fp8_block_gemms(dtype):
         rel = float((got.float() - want.float()).norm() / want.float().norm())
         assert rel < 0.05, f"w8a8 vs dense: relative error {rel:.3g}"
     x3 = torch.randn(2, 3, k, generator=g).to(dtype)
-    assert fp8.linear(x3, fp8.pack(qw, native=True)).shape == (2, 3, n)
+    assert fp8.linear(x3, fp8.pack(qw, "w8a8")).shape == (2, 3, n)
 
 
 def test_fp8_per_tensor_and_per_channel():
@@ -265,6 +268,87 @@ def test_fp8_per_tensor_and_per_channel():
     sc = dense.abs().amax(1) / 448
     per_channel = QuantizedWeight(format="fp8_e4m3", qweight=(dense / sc[:, None]).to(torch.float8_e4m3fn), scale=sc, shape=(n, k))
     for qw in (per_tensor, per_channel):
-        packed = fp8.pack(qw, native=True)
+        packed = fp8.pack(qw, "w8a8")
         assert packed.mode == "weight_only"  # W8A8 only for 128x128 blocks
         assert_close(fp8.linear(x, packed), ref_ops.linear(x, qw), 2e-5)
+        assert_close(fp8.linear(x, fp8.pack(qw, "weight_only_bits")), ref_ops.linear(x, qw), 2e-5)
+
+
+def test_every_e4m3_byte_decodes_as_torch_does():
+    """The in-kernel decode of the uint8 path against torch's float8_e4m3fn
+    for all 256 bytes but the two NaNs (an identity weight: y = decode(byte))."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    n = codes.numel()
+    qw = QuantizedWeight(format="fp8_e4m3", qweight=codes.view(torch.float8_e4m3fn).reshape(1, n), scale=torch.ones(()), shape=(1, n))
+    got = fp8.linear(torch.eye(n), fp8.pack(qw, "weight_only_bits"))[:, 0]  # row j picks byte j
+    assert torch.equal(got, codes.view(torch.float8_e4m3fn).float())
+
+
+def _sparse_pool(path, heads: int, pages: int, page_size: int, dim: int) -> torch.Tensor:
+    """A [heads, pages, page_size, dim] bf16 page pool over a sparse file:
+    addressable like a real pool, costing memory only for the pages touched."""
+    n = heads * pages * page_size * dim
+    with open(path, "wb") as f:
+        f.truncate(n * 2)
+    return torch.from_file(str(path), shared=True, size=n, dtype=torch.bfloat16).view(heads, pages, page_size, dim)
+
+
+def test_offsets_past_2_31_elements_in_one_layers_pool(tmp_path):
+    """One layer's pool over 2^31 elements (4 KV heads x 2^21 pages of 16 x 32:
+    head 2 starts at element 2^31, head 3 at 3 x 2^30), the sequences' pages
+    at the end of it: prefill and decode give what the reference gives on a
+    small pool holding the same pages (32-bit offsets would read elsewhere)."""
+    heads, page_size, dim, num_pages = (8, 4), 16, 32, 1 << 21
+    big = tuple(_sparse_pool(tmp_path / name, heads[1], num_pages, page_size, dim) for name in ("k", "v"))
+    assert heads[1] * num_pages * page_size * dim > 2**31 and big[0].stride(0) * (heads[1] - 1) > 2**31
+    lens = [40, 23]
+    small_tables = _tables(8, lens, page_size)
+    big_tables = [[num_pages - 1 - 3 * p for p in table] for table in small_tables]
+    mine = make_attention_ops(REFERENCE)
+    small = REFERENCE["allocate_kv_cache"](num_pages=8, page_size=page_size, num_kv_heads=heads[1], head_dim=dim, v_head_dim=dim,
+                                           dtype=torch.bfloat16, device=torch.device("cpu"))  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    for step, seqs in enumerate([[(0, 39), (0, 22)], [(39, 1), (22, 1)]]):  # a prefill, then a decode step
+        t = sum(n for _, n in seqs)
+        q, k, v = (torch.randn(t, h, dim, generator=g).to(torch.bfloat16) for h in (heads[0], heads[1], heads[1]))
+        outs = []
+        for table, cache, tables in ((mine, big, big_tables), (REFERENCE, small, small_tables)):
+            meta = attention_metadata(seqs, tables, page_size, "cpu")
+            table["prepare_attention"](meta)
+            outs.append(table["attention"](q, k, v, cache, meta, scale=dim**-0.5))
+        assert_close(outs[0], outs[1], TOL[torch.bfloat16], f"step {step}")
+
+
+@pytest.mark.parametrize(
+    "capability,fp8_support,path",
+    [("sm_80", "weight_only", "weight_only_bits"), ("sm_86", "weight_only", "weight_only_bits"),
+     ("sm_89", "weight_only", "weight_only"), ("sm_90", "native", "w8a8")],
+)  # fmt: skip
+def test_fp8_path_by_gpu_generation(capability, fp8_support, path):
+    """A100/A10/3090 (sm_80/86): Triton takes no float8 pointer there, so FP8
+    bytes go in as uint8; sm_89 takes float8 pointers; sm_90 runs W8A8."""
+    from types import SimpleNamespace
+
+    from plinth.api import AcceleratorInfo, SelectionContext
+    from plinth_plugin_triton.backend import fp8_path
+
+    info = AcceleratorInfo(device_type="cuda", dist_backend="nccl", device_count=1, device_name="GPU", capability=capability, fp8=fp8_support)
+    chosen, why = fp8_path(SelectionContext(accelerator=SimpleNamespace(info=lambda: info)))
+    assert chosen == path, why
+    assert capability in why
+
+
+def test_kernels_are_autotuned_on_a_gpu_and_plain_in_the_interpreter(monkeypatch):
+    """On a GPU each kernel kind tries num_warps x num_stages once per model
+    shape (sm_80 and sm_90 choose for themselves); the interpreter keeps the
+    plain kernel (autotune needs one config there)."""
+    import triton
+    from plinth_plugin_triton import tuning
+    from plinth_plugin_triton.attention import _decode_split_kernel
+
+    assert not isinstance(_decode_split_kernel, triton.runtime.Autotuner)  # TRITON_INTERPRET=1 here
+    monkeypatch.delenv("TRITON_INTERPRET")
+    tuner = tuning.tuned("moe", key=["hidden", "inter", "BLOCK_M"])(moe._moe_down_kernel)
+    assert isinstance(tuner, triton.runtime.Autotuner)
+    assert {(c.num_warps, c.num_stages) for c in tuner.configs} == set(tuning.CONFIGS["moe"])
+    assert tuner.keys == ["hidden", "inter", "BLOCK_M"]

@@ -35,8 +35,8 @@ class Master:
             "metadata_server": f"http://127.0.0.1:{self.http}/metadata",
             "master_server_address": f"127.0.0.1:{self.rpc}",
             "protocol": "tcp",
-            "global_segment_size": 64 << 20,
-            "local_buffer_size": 32 << 20,
+            "global_segment_size": "64MB",  # size strings, as Mooncake's config reader takes them
+            "local_buffer_size": "32 mb",
         }
 
     def start(self) -> None:

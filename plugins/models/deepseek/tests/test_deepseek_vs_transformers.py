@@ -6,12 +6,10 @@ with prefix caching and preemption."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from plinth import LLM, SamplingParams
-from plinth.api import AttentionMetadata, LoadContext, ModelSource, SelectionContext, load_hf_config
+from plinth.api import AttentionMetadata, LoadContext, ModelSource, OpTable, SelectionContext, load_hf_config
 from plinth_plugin_deepseek.loader import DeepseekLoader
 from plinth_plugin_deepseek.mla import MLALatentSpec
 from tiny_deepseek import VARIANTS, prompts, reference, reference_greedy, saved_model
@@ -24,10 +22,10 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tiny_deepseek"))
 
 
-def torch_ops() -> SimpleNamespace:
+def torch_ops() -> OpTable:
     from plinth_plugin_torch.backend import TorchBackend
 
-    return SimpleNamespace(**TorchBackend(SelectionContext()).ops())
+    return OpTable(TorchBackend(SelectionContext()).ops())
 
 
 def load_ours(path: str):

@@ -4,18 +4,17 @@ and a prompt prefilled into shuffled KV pages, every position's logits."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import torch
-from plinth.api import AttentionMetadata, LoadContext, ModelSource, SelectionContext, load_hf_config
+from plinth.api import AttentionMetadata, LoadContext, ModelSource, OpTable, SelectionContext, load_hf_config
 from plinth_plugin_gemma.loader import GemmaLoader
 
 
-def torch_ops() -> SimpleNamespace:
+def torch_ops() -> OpTable:
     """The torch backend's op table, as the engine hands it to a model."""
     from plinth_plugin_torch.backend import TorchBackend
 
-    return SimpleNamespace(**TorchBackend(SelectionContext()).ops())
+    return OpTable(TorchBackend(SelectionContext()).ops())
 
 
 def load_ours(path: str, ops, *, dtype: torch.dtype = torch.float32):

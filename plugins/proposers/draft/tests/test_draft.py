@@ -47,8 +47,7 @@ def test_check_reasons():
 
 def test_engine_greedy_output_unchanged(tmp_path):
     pytest.importorskip("transformers")
-    from plinth.engine.llm import LLM
-    from plinth.engine.sampling_params import SamplingParams
+    from plinth import LLM, SamplingParams
     from tiny_models import tiny_model_dir
 
     target = tiny_model_dir("llama", str(tmp_path))

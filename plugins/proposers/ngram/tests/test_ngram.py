@@ -69,8 +69,7 @@ def test_incremental_index_matches_the_scan(min_n, max_n):
 def test_engine_greedy_output_unchanged(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "tests"))
     pytest.importorskip("transformers")
-    from plinth.engine.llm import LLM
-    from plinth.engine.sampling_params import SamplingParams
+    from plinth import LLM, SamplingParams
     from tiny_models import tiny_model_dir
 
     path = tiny_model_dir("llama", str(tmp_path))

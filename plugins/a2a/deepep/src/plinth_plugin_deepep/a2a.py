@@ -1,39 +1,58 @@
 """MoE dispatch/combine with DeepEP (https://github.com/deepseek-ai/DeepEP),
-both generations DeepEP 2.x ships, written against its current Python API:
+both generations DeepEP 2.1 ships, written against its current source
+(``deep_ep/buffers/legacy.py``, ``deep_ep/buffers/elastic.py``,
+``csrc/legacy/buffer.hpp``, ``csrc/elastic/buffer.hpp``,
+``csrc/kernels/legacy/internode_ll.cu``):
 
 legacy ``deep_ep.Buffer``
-    prefill / mixed steps: ``get_dispatch_layout`` then ``dispatch`` (normal
-    kernels, NVLink/RDMA buffers sized from ``get_dispatch_config`` /
-    ``get_combine_config`` hints) -> the received tokens with local top-k ids
-    and weights ("flat" layout; the experts apply the weights), ``combine``
-    sums them back. Decode-only steps (at most ``max_tokens_per_rank`` tokens
-    on a rank): ``low_latency_dispatch`` -> a padded per-expert tensor with
-    counts ("padded" layout; FP8 with per-128 scales when ``deepep_fp8`` is
-    set, dequantized here for the experts), ``low_latency_combine`` applies
-    the weights. The low-latency buffer is sized by
-    ``get_low_latency_rdma_size_hint``.
+    One Buffer per process, made with ``low_latency_mode`` when decode steps
+    take the low-latency kernels (NVSHMEM is initialised once per process:
+    a second Buffer's init fails across nodes; SGLang keeps one too).
+    Prefill / mixed steps: ``get_dispatch_layout`` then ``dispatch`` (normal
+    kernels; its receive count is the one host sync of the layer) -> the
+    received tokens with local top-k ids and weights ("flat" layout; the
+    experts apply the weights), ``combine`` sums them back. Decode-only
+    steps (at most ``max_num_seqs`` tokens on a rank): ``low_latency_dispatch``
+    -> a padded per-expert tensor with counts on the device ("padded"
+    layout; no host sync), ``low_latency_combine`` applies the weights. The
+    low-latency kernels need their part of the buffer zeroed after normal
+    kernels ran: ``clean_low_latency_buffer`` before the first low-latency
+    step after a normal one.
 V2 ``deep_ep.ElasticBuffer``
     ``dispatch`` / ``combine`` with an ``EPHandle`` ("flat" layout; received
-    tensors may have slack rows past ``handle.num_recv_tokens``), sized by
-    ``get_buffer_size_hint``. A decode step whose routing equals the
-    previous one on every rank (agreed by one all-reduce) reuses the cached
-    handle (no layout recomputation, no CPU sync).
+    tensors may have slack rows past ``handle.num_recv_tokens``), sized for
+    the step token budget per rank: the largest dispatch a step can make.
 
-The generation: ``deepep_generation`` = auto (V2 when installed), legacy or v2.
-deep_ep is imported only when this plugin is constructed, never by check().
+``check`` judges the planned layout (``ctx.layout``) in the launcher, before
+any rank exists; the buffers are made by ``reserve_buffers`` in every rank
+at start-up, before the weights load. deep_ep is imported only when this
+plugin is constructed, never by check().
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from plinth.api import AllToAll, DispatchedTokens, PluginError, SelectionContext
 
-#: ep sizes the legacy normal kernels have a tuned Config for (Buffer.get_dispatch_config)
+#: ep sizes the legacy normal kernels have a Config for (legacy.py:246-259, `assert num_ranks in config_map`)
 LEGACY_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+#: hidden sizes the low-latency kernels are compiled for (csrc/kernels/legacy/launch.cuh:113-133, SWITCH_HIDDEN)
+LOW_LATENCY_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+#: top-k the low-latency kernels take (internode_ll.cu:493/501 and 1166/1179, kNumMaxTopK = 11)
+LOW_LATENCY_MAX_TOPK = 11
+#: local experts the legacy normal kernels take (buffer.hpp:469, LEGACY_NUM_MAX_LOCAL_EXPERTS in compiled.cuh:8)
+LEGACY_MAX_LOCAL_EXPERTS = 1024
+#: NVLink peers per node and RDMA peers (compiled.cuh:5-6; buffer.hpp:113-114)
+NVL_PEERS, RDMA_PEERS = 8, 20
+#: the devices DeepEP's kernels run on; a test with a fake deep_ep widens it
+DEVICE_TYPES = ("cuda",)
+#: DeepEP's kernels are built for SM90 (Hopper) and later
+MIN_CAPABILITY = (9, 0)
 
 
 def _deep_ep_version() -> str | None:
@@ -50,6 +69,44 @@ def _major(version: str | None) -> int:
         return int(str(version).split(".")[0])
     except ValueError:
         return 0
+
+
+def _capability(text: str) -> tuple[int, int] | None:
+    """"sm_90" -> (9, 0); "sm_100" -> (10, 0)."""
+    digits = text.removeprefix("sm_")
+    if not digits.isdigit() or len(digits) < 2:
+        return None
+    return int(digits[:-1]), int(digits[-1])
+
+
+def _generation(options: Any, version: str | None) -> str:
+    gen = str(options.get("deepep_generation", "auto"))
+    if gen == "auto":
+        return "v2" if _major(version) >= 2 else "legacy"
+    return gen
+
+
+def _qp_depth() -> int:
+    # legacy.py:113: the Buffer keeps NVSHMEM_QP_DEPTH (default 1024) and asserts on it at every low-latency call
+    return int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
+
+
+def low_latency_limits(hidden: int, top_k: int, num_experts: int, max_tokens: int) -> list[str]:
+    """Why the legacy low-latency kernels cannot run this shape (empty: they can)."""
+    why = []
+    if hidden and hidden not in LOW_LATENCY_HIDDEN:
+        why.append(f"low-latency kernels take hidden sizes {LOW_LATENCY_HIDDEN} (launch.cuh SWITCH_HIDDEN), not {hidden}")
+    if top_k > LOW_LATENCY_MAX_TOPK:
+        why.append(f"low-latency kernels take top-k <= {LOW_LATENCY_MAX_TOPK} (internode_ll.cu kNumMaxTopK), not {top_k}")
+    if num_experts * 4 * 2 > 32 * 1024 * 1024:
+        why.append(f"{num_experts} experts overflow the low-latency workspace (internode_ll.cu:506)")
+    depth = _qp_depth()
+    if depth < 2 * (max_tokens + 1):
+        why.append(
+            f"NVSHMEM_QP_DEPTH {depth} < 2 x (max tokens per rank {max_tokens} + 1) = {2 * (max_tokens + 1)} "
+            "(legacy.py:609): lower --max-num-seqs or raise NVSHMEM_QP_DEPTH"
+        )
+    return why
 
 
 @dataclass
@@ -70,166 +127,174 @@ class DeepEPAllToAll(AllToAll):
         version = _deep_ep_version()
         if not installed:
             reasons.append("deep_ep is not installed (DeepEP builds from source with CUDA, NCCL and NVSHMEM: pip install deep-ep on the GPU machine)")
-        if importlib.util.find_spec("torch") is None:
-            return reasons + ["torch is not installed"]
-        import torch
-
-        if not torch.cuda.is_available():
-            reasons.append("needs CUDA SM90+ (no CUDA device is visible)")
-        else:
-            major, minor = torch.cuda.get_device_capability()
-            if major < 9:
-                reasons.append(f"needs CUDA SM90+ (this GPU is sm_{major}{minor})")
-        acc = ctx.accelerator
-        if acc is not None and getattr(acc, "device_type", "") != "cuda":
-            reasons.append(f"needs the cuda accelerator (chosen: {getattr(acc, 'device_type', '?')})")
-        generation = str(ctx.options.get("deepep_generation", "auto"))
+        options = ctx.options
+        generation = str(options.get("deepep_generation", "auto"))
         if generation not in ("auto", "legacy", "v2"):
-            reasons.append(f"deepep_generation must be auto, legacy or v2, not {generation!r}")
-        if installed and generation == "v2" and _major(version) < 2:
+            return reasons + [f"deepep_generation must be auto, legacy or v2, not {generation!r}"]
+        if installed and generation == "v2" and version is not None and _major(version) < 2:
             reasons.append(f"deepep_generation=v2 needs DeepEP 2.x (ElasticBuffer); installed: {version}")
-        legacy = generation == "legacy" or (generation == "auto" and installed and _major(version) < 2)
-        if ctx.ep > 1 and legacy and ctx.ep not in LEGACY_RANKS:
-            reasons.append(f"the legacy Buffer's normal kernels support ep in {LEGACY_RANKS}, not {ctx.ep}")
-        if ctx.ep > 1 and torch.distributed.is_available() and not torch.distributed.is_initialized():
-            reasons.append("the torch.distributed world is not set up (the ep group must exist before the buffers)")
+        if _low_latency_wanted(options) not in ("auto", "on", "off"):
+            reasons.append(f"deepep_low_latency must be auto, on or off, not {options.get('deepep_low_latency')!r}")
+        if options.get("deepep_fp8"):
+            reasons.append(
+                "deepep_fp8 is not offered: no backend here runs an FP8 grouped GEMM on DeepEP's per-128-scaled tokens, "
+                "and dequantizing them after the wire would only add work"
+            )
+        plan = ctx.layout
+        if plan is None:  # `platform plugins`: nothing is planned yet
+            return reasons
+        if plan.device_type not in DEVICE_TYPES:
+            reasons.append(f"needs CUDA SM90+ (the planned device is {plan.device_type or 'unknown'})")
+        elif plan.device_type == "cuda":
+            cap = _capability(plan.capability)
+            if cap is None or cap < MIN_CAPABILITY:
+                reasons.append(f"needs CUDA SM90+ (this GPU is {plan.capability or 'of unknown capability'})")
+        gen = _generation(options, version)
+        ep, hidden, experts = plan.ep, plan.hidden_size, plan.num_experts
+        if experts and experts % ep:
+            reasons.append(f"{experts} experts do not split over ep {ep} (buffer.hpp: num_experts % num_ranks == 0)")
+        if hidden and (hidden * 2) % 16:
+            reasons.append(f"hidden {hidden} in bf16 is not a multiple of 16 bytes (buffer.hpp:750, elastic buffer.hpp:755)")
+        if gen == "legacy":
+            if ep not in LEGACY_RANKS:
+                reasons.append(f"the legacy Buffer's normal kernels support ep in {LEGACY_RANKS}, not {ep} (legacy.py:259)")
+            if ep >= NVL_PEERS and ep % NVL_PEERS:
+                reasons.append(f"ep {ep} is not a multiple of {NVL_PEERS} NVLink peers (buffer.hpp:114)")
+            if ep > NVL_PEERS * RDMA_PEERS:
+                reasons.append(f"ep {ep} is over {NVL_PEERS} x {RDMA_PEERS} ranks (buffer.hpp:113)")
+            if experts and experts // ep > LEGACY_MAX_LOCAL_EXPERTS:
+                reasons.append(f"{experts // ep} local experts are over {LEGACY_MAX_LOCAL_EXPERTS} (buffer.hpp:469)")
+            if _low_latency_wanted(options) == "on":
+                reasons += low_latency_limits(hidden, plan.top_k, experts, plan.max_num_seqs)
         return reasons
 
-    def __init__(self, ctx: SelectionContext, *, group: Any, num_experts: int, hidden_size: int,
-                 generation: str | None = None, max_tokens_per_rank: int | None = None, num_topk: int | None = None) -> None:
+    def __init__(self, ctx: SelectionContext, *, group: Any, num_experts: int, hidden_size: int) -> None:
         super().__init__(ctx, group=group, num_experts=num_experts, hidden_size=hidden_size)
         import deep_ep
         import torch.distributed as dist
 
+        plan = ctx.layout
+        if plan is None:
+            raise PluginError("deepep: built without a planned layout (the engine passes ctx.layout)")
         self.deep_ep = deep_ep
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if num_experts % self.size:
-            raise ValueError(f"deepep: {num_experts} experts do not split over {self.size} ranks")
-        gen = generation or str(ctx.options.get("deepep_generation", "auto"))
-        if gen == "auto":
-            gen = "v2" if hasattr(deep_ep, "ElasticBuffer") else "legacy"
+            raise PluginError(f"deepep: {num_experts} experts do not split over {self.size} ranks")
+        gen = _generation(ctx.options, getattr(deep_ep, "__version__", None) or _deep_ep_version())
         if gen == "v2" and not hasattr(deep_ep, "ElasticBuffer"):
-            raise ValueError("deepep: V2 (ElasticBuffer) is not in the installed deep_ep")
+            raise PluginError("deepep: V2 (ElasticBuffer) is not in the installed deep_ep")
         self.generation = gen
-        #: the most tokens one rank dispatches in a low-latency (decode) step / sizes the V2 buffer
-        self.max_tokens = int(max_tokens_per_rank or ctx.options.get("deepep_max_tokens_per_rank", 128))
-        self.num_topk = int(num_topk or ctx.options.get("deepep_num_topk", 8))
-        self.use_fp8 = bool(ctx.options.get("deepep_fp8", False))
-        self._normal = self._low_latency = self._elastic = None
-        self._cached: tuple[Any, Any, Any, Any, Any] | None = None  # V2: (ids, weights, handle, recv ids, recv weights)
+        self.num_topk = plan.top_k
+        #: the largest dispatch a step can make on a rank (the step token budget): sizes the V2 buffer
+        self.max_step_tokens = plan.max_tokens_per_step
+        #: the most tokens of a decode-only step on a rank: sizes the low-latency buffer
+        self.max_decode_tokens = plan.max_num_seqs
+        #: decode steps on the low-latency kernels (legacy only), or the normal ones where the shape rules them out
+        why_not = low_latency_limits(hidden_size, plan.top_k, num_experts, plan.max_num_seqs)
+        self.low_latency = gen == "legacy" and _low_latency_wanted(ctx.options) != "off" and not why_not
+        self.why_not_low_latency = "; ".join(why_not)
+        self._buffer: Any = None
+        self._dirty_for_low_latency = False  # normal kernels ran since the low-latency part was last cleaned
 
-    # ---- buffers (collective: every rank builds them at the same dispatch) --------------
+    # ---- buffers (collective: every rank makes them together, at start-up) ----------------
 
-    def _normal_buffer(self) -> Any:
-        if self._normal is None:
-            Buffer = self.deep_ep.Buffer
-            hidden_bytes = self.hidden_size * 2  # bf16
-            nvl = rdma = 0
-            for config in (Buffer.get_dispatch_config(self.size), Buffer.get_combine_config(self.size)):
-                nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, self.size))
-                rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, self.size))
-            self._normal = Buffer(self.group, nvl, rdma)
-        return self._normal
-
-    def _low_latency_buffer(self) -> Any:
-        if self._low_latency is None:
-            Buffer = self.deep_ep.Buffer
-            rdma = Buffer.get_low_latency_rdma_size_hint(self.max_tokens, self.hidden_size, self.size, self.num_experts)
-            self._low_latency = Buffer(self.group, 0, rdma, low_latency_mode=True, num_qps_per_rank=self.num_experts // self.size)
-        return self._low_latency
-
-    def _elastic_buffer(self, num_topk: int) -> Any:
-        if self._elastic is None:
-            self._elastic = self.deep_ep.ElasticBuffer(
-                self.group, num_max_tokens_per_rank=self.max_tokens, hidden=self.hidden_size, num_topk=num_topk,
+    def reserve_buffers(self) -> int:
+        deep_ep = self.deep_ep
+        if self.generation == "v2":
+            self._buffer = deep_ep.ElasticBuffer(
+                self.group, num_max_tokens_per_rank=self.max_step_tokens, hidden=self.hidden_size, num_topk=self.num_topk,
                 use_fp8_dispatch=False,
-            )
-        return self._elastic
+            )  # fmt: skip
+            return int(self._buffer.num_bytes)
+        Buffer = deep_ep.Buffer
+        hidden_bytes = self.hidden_size * 2  # bf16
+        nvl = rdma = 0
+        for config in (Buffer.get_dispatch_config(self.size), Buffer.get_combine_config(self.size)):
+            nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, self.size))
+            rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, self.size))
+        kw: dict[str, Any] = {}
+        if self.low_latency:  # one Buffer for both modes: the low-latency part in its RDMA buffer
+            rdma = max(rdma, Buffer.get_low_latency_rdma_size_hint(self.max_decode_tokens, self.hidden_size, self.size, self.num_experts))
+            # legacy.py Buffer docstring: low-latency mode needs num_qps_per_rank == the local experts
+            kw = dict(low_latency_mode=True, num_qps_per_rank=self.num_experts // self.size)
+        self._buffer = Buffer(self.group, nvl, rdma, **kw)
+        return int(nvl + rdma)
 
     # ---- dispatch / combine ---------------------------------------------------------------
 
     def dispatch(self, hidden: Any, topk_ids: Any, topk_weights: Any, *, decode: bool) -> tuple[DispatchedTokens, _Handle]:
         import torch
 
-        x = hidden.to(torch.bfloat16)  # DeepEP's kernels move bf16 (or fp8 with scales)
-        idx = topk_ids.to(torch.int64)  # deep_ep.topk_idx_t
-        weights = topk_weights.to(torch.float32)
+        if self._buffer is None:
+            raise PluginError("deepep: dispatch before reserve_buffers (the engine makes the buffers at start-up)")
+        x = hidden.to(torch.bfloat16).contiguous()  # DeepEP's kernels move bf16
+        idx = topk_ids.to(torch.int64).contiguous()  # deep_ep.topk_idx_t
+        weights = topk_weights.to(torch.float32).contiguous()
         if self.generation == "v2":
-            return self._dispatch_v2(x, idx, weights, decode, hidden.dtype)
-        if decode:
+            return self._dispatch_v2(x, idx, weights, hidden.dtype)
+        if decode and self.low_latency:
             # every rank must take the same kernels or both sides wait forever:
-            # the engine agrees on `decode` across ranks, but token counts differ
-            # per rank, so a count over the cap is an error here, not a switch
-            if x.shape[0] > self.max_tokens:
+            # the engine agrees on `decode` across ranks, and a decode-only step
+            # has at most max_num_seqs tokens on a rank, the low-latency size
+            if x.shape[0] > self.max_decode_tokens:
                 raise PluginError(
-                    f"deepep: a decode step dispatches {x.shape[0]} tokens on this rank, more than "
-                    f"--deepep-max-tokens-per-rank {self.max_tokens}; set it to at least --max-num-seqs"
+                    f"deepep: a decode step dispatches {x.shape[0]} tokens on this rank, more than the "
+                    f"{self.max_decode_tokens} (--max-num-seqs) the low-latency buffer holds"
                 )
-            buf = self._low_latency_buffer()
-            recv, counts, handle, _event, _hook = buf.low_latency_dispatch(
-                x, idx, self.max_tokens, self.num_experts, use_fp8=self.use_fp8
+            if self._dirty_for_low_latency:  # legacy.py:538-550: needed after normal kernels ran
+                self._buffer.clean_low_latency_buffer(self.max_decode_tokens, self.hidden_size, self.num_experts)
+                self._dirty_for_low_latency = False
+            recv, counts, handle, _event, _hook = self._buffer.low_latency_dispatch(
+                x, idx, self.max_decode_tokens, self.num_experts, use_fp8=False
             )
-            if self.use_fp8:
-                recv = _dequantize_per_128(*recv)
-            return DispatchedTokens("padded", recv, counts), _Handle("low_latency", handle, hidden.dtype, idx, weights)
-        buf = self._normal_buffer()
+            # the experts compute in the model's dtype (a no-op for bf16 models, DeepEP's own)
+            return DispatchedTokens("padded", recv.to(hidden.dtype), counts), _Handle("low_latency", handle, hidden.dtype, idx, weights)
+        buf = self._buffer
+        self._dirty_for_low_latency = self.low_latency
         per_rank, per_rdma_rank, per_expert, in_rank, _event = buf.get_dispatch_layout(idx, self.num_experts)
         recv_x, recv_idx, recv_weights, counts, handle, _event = buf.dispatch(
             x, topk_idx=idx, topk_weights=weights, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         )
-        counts = torch.tensor(counts, dtype=torch.int64, device=recv_x.device)
-        return DispatchedTokens("flat", recv_x, counts, recv_idx, recv_weights), _Handle("normal", handle, hidden.dtype)
+        # `counts` is a host list (dispatch waited for it): one copy to the device, no further sync
+        counts = torch.tensor(counts, dtype=torch.int64).to(recv_x.device, non_blocking=True)
+        return DispatchedTokens("flat", recv_x.to(hidden.dtype), counts, recv_idx, recv_weights), _Handle("normal", handle, hidden.dtype)
 
-    def _same_routing_everywhere(self, idx: Any, weights: Any) -> bool:
-        """Whether every rank's routing equals its previous decode step's
-        (a cached handle must be used by all ranks or none)."""
-        import torch
-        import torch.distributed as dist
-
-        same = self._cached is not None and torch.equal(self._cached[0], idx) and torch.equal(self._cached[1], weights)
-        flag = torch.tensor([1 if same else 0], dtype=torch.int32, device=idx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
-
-    def _dispatch_v2(self, x: Any, idx: Any, weights: Any, decode: bool, dtype: Any) -> tuple[DispatchedTokens, _Handle]:
+    def _dispatch_v2(self, x: Any, idx: Any, weights: Any, dtype: Any) -> tuple[DispatchedTokens, _Handle]:
         import torch
 
-        buf = self._elastic_buffer(idx.shape[1])
-        if decode and self._same_routing_everywhere(idx, weights):
-            _, _, handle, recv_idx, recv_weights = self._cached
-            recv_x, _, _, handle, _event = buf.dispatch(x, handle=handle)
-        else:
-            recv_x, recv_idx, recv_weights, handle, _event = buf.dispatch(
-                x, topk_idx=idx, topk_weights=weights, num_experts=self.num_experts, num_max_tokens_per_rank=self.max_tokens,
+        if x.shape[0] > self.max_step_tokens:  # upstream would assert (elastic buffer.hpp:756): say why instead
+            raise PluginError(
+                f"deepep: a step dispatches {x.shape[0]} tokens on this rank, more than the step token budget "
+                f"{self.max_step_tokens} the V2 buffer was sized for"
             )
-            self._cached = (idx.clone(), weights.clone(), handle, recv_idx, recv_weights) if decode else None
-        n = int(handle.num_recv_tokens)
-        counts = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device=recv_x.device)
-        got = DispatchedTokens("flat", recv_x[:n], counts, recv_idx[:n], recv_weights[:n])
+        recv_x, recv_idx, recv_weights, handle, _event = self._buffer.dispatch(
+            x, topk_idx=idx, topk_weights=weights, num_experts=self.num_experts, num_max_tokens_per_rank=self.max_step_tokens,
+        )  # fmt: skip
+        n = int(handle.num_recv_tokens)  # exact: dispatch synced with the host (do_cpu_sync defaults to True)
+        counts = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64).to(recv_x.device, non_blocking=True)
+        got = DispatchedTokens("flat", recv_x[:n].to(dtype), counts, recv_idx[:n], recv_weights[:n])
         return got, _Handle("v2", handle, dtype, rows=recv_x.shape[0])
 
     def combine(self, expert_out: Any, handle: _Handle) -> Any:
         import torch
 
-        y = expert_out.to(torch.bfloat16)
+        y = expert_out.to(torch.bfloat16).contiguous()
         if handle.kind == "low_latency":
-            out, _event, _hook = self._low_latency_buffer().low_latency_combine(y, handle.topk_ids, handle.topk_weights, handle.handle)
+            out, _event, _hook = self._buffer.low_latency_combine(y, handle.topk_ids, handle.topk_weights, handle.handle)
         elif handle.kind == "normal":
-            out, _weights, _event = self._normal_buffer().combine(y, handle.handle)
+            out, _weights, _event = self._buffer.combine(y, handle.handle)
         else:
             full = y.new_zeros(handle.rows, y.shape[1])  # the buffer's slack rows carry nothing
             full[: y.shape[0]] = y
-            out, _weights, _event = self._elastic.combine(full, handle=handle.handle)
+            out, _weights, _event = self._buffer.combine(full, handle=handle.handle)
         return out.to(handle.dtype)
 
 
-def _dequantize_per_128(values: Any, scales: Any) -> Any:
-    """Low-latency FP8 dispatch output ([E, M, H] float8, [E, M, H / 128]
-    float scales) back to bf16 for the experts."""
-    import torch
-
-    e, m, h = values.shape
-    x = values.float().reshape(e, m, h // 128, 128) * scales.float().unsqueeze(-1)
-    return x.reshape(e, m, h).to(torch.bfloat16)
+def _low_latency_wanted(options: Any) -> str:
+    """``deepep_low_latency``: auto (when the shape allows it), on (refuse a shape that does not), off."""
+    value = options.get("deepep_low_latency", "auto")
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)

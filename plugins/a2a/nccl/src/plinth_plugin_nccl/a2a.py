@@ -83,9 +83,16 @@ class CollectiveAllToAll(AllToAll):
         dest = torch.searchsorted(starts[1:-1], ids, right=True)  # [T, K] owning rank of each choice
         in_rank = torch.zeros(num_tokens, self.size, dtype=torch.bool, device=dev)
         in_rank.scatter_(1, dest, True)
-        pairs = in_rank.t().nonzero()  # (rank, token), grouped by rank
-        to_rank, send_tokens = pairs[:, 0], pairs[:, 1]
         send_counts = in_rank.sum(0)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        # (rank, token) pairs grouped by rank, found on the device: a stable sort
+        # puts the chosen pairs first (no nonzero(), whose size needs the host)
+        order = torch.argsort((~in_rank.t()).reshape(-1).to(torch.int8), stable=True)
+        splits = torch.cat((send_counts, recv_counts)).tolist()  # the one host sync: all_to_all_single takes host splits
+        send, recv = splits[: self.size], splits[self.size :]
+        pairs = order[: sum(send)]
+        to_rank, send_tokens = pairs // num_tokens, pairs % num_tokens
 
         local = ids.index_select(0, send_tokens) - starts[to_rank].unsqueeze(1)
         here = (local >= 0) & (local < (starts[to_rank + 1] - starts[to_rank]).unsqueeze(1))
@@ -94,10 +101,6 @@ class CollectiveAllToAll(AllToAll):
         )
         x_bytes = _bytes(hidden.index_select(0, send_tokens))
         payload = torch.cat((x_bytes, _bytes(meta)), 1)
-
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()  # the one host sync
         got = self._exchange(payload, send, recv)
 
         xb = x_bytes.shape[1]
@@ -105,23 +108,30 @@ class CollectiveAllToAll(AllToAll):
         meta = got[:, xb:].contiguous().view(torch.float32).reshape(got.shape[0], 2 * top_k)
         recv_ids, recv_weights = meta[:, :top_k].long(), meta[:, top_k:]
         valid = recv_ids >= 0
-        counts = torch.bincount(recv_ids[valid], minlength=per)
+        # per-expert counts on the device (bincount sizes its output from a host-read max)
+        counts = torch.zeros(per + 1, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, torch.where(valid, recv_ids, per).reshape(-1), torch.ones_like(recv_ids).reshape(-1))
+        counts = counts[:per]
         handle = _Handle(send_tokens, send, recv, num_tokens)
         if not (decode and self.decode_layout == "padded"):
             return DispatchedTokens("flat", x, counts, recv_ids, recv_weights), handle
 
-        # padded: each (row, k) pair in its expert's slab, in arrival order
-        rows, ks = valid.nonzero(as_tuple=True)
-        experts = recv_ids[rows, ks]
+        # padded: each (row, k) pair in its expert's slab, in arrival order, as DeepEP's
+        # low-latency layout: [local experts, rows received, hidden] (an expert gets a row
+        # at most once); pairs for experts elsewhere land in a spare slab that is dropped
+        rows_in = got.shape[0]
+        experts = torch.where(valid, recv_ids, per).reshape(-1)
         order = torch.argsort(experts, stable=True)
-        rows, ks, experts = rows[order], ks[order], experts[order]
-        starts = torch.cumsum(counts, 0) - counts
-        slots = torch.arange(rows.shape[0], device=dev) - starts[experts]
-        width = int(counts.max()) if counts.numel() and rows.numel() else 0
-        padded = torch.zeros(per, max(width, 1), x.shape[1], dtype=x.dtype, device=dev)
-        padded[experts, slots] = x[rows]
-        handle.rows, handle.experts, handle.slots, handle.weights = rows, experts, slots, recv_weights[rows, ks]
-        return DispatchedTokens("padded", padded, counts), handle
+        experts = experts[order]
+        rows, ks = order // top_k, order % top_k
+        full = torch.cat((counts, (~valid).sum().reshape(1)))
+        starts = torch.cumsum(full, 0) - full
+        slots = torch.arange(experts.shape[0], device=dev) - starts[experts]
+        padded = torch.zeros(per + 1, max(rows_in, 1), x.shape[1], dtype=x.dtype, device=dev)
+        padded[experts, slots.clamp(max=max(rows_in, 1) - 1)] = x[rows]
+        weights = torch.where(experts < per, recv_weights[rows, ks], 0.0)
+        handle.rows, handle.experts, handle.slots, handle.weights = rows, experts.clamp(max=per - 1), slots.clamp(max=max(rows_in, 1) - 1), weights
+        return DispatchedTokens("padded", padded[:per], counts), handle
 
     def combine(self, expert_out: torch.Tensor, handle: _Handle) -> torch.Tensor:
         """-> [T, H] in expert_out's dtype: every sender's tokens, summed over

@@ -85,7 +85,7 @@ class CPUAccelerator(Accelerator):
     def memory(self, index: int = 0) -> tuple[int, int]:
         return _meminfo()
 
-    def kv_cache_budget(self, *, free: int, total: int, weights: int) -> int:
+    def kv_cache_budget(self, *, free: int, total: int, weights: int, **_: Any) -> int:
         # host memory is shared with everything else on the machine
         return min(4 << 30, free // 4)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
@@ -71,7 +71,8 @@ class CUDAAccelerator(Accelerator):
         import torch
 
         count = torch.cuda.device_count()
-        capability = tuple(torch.cuda.get_device_capability(0))
+        major, minor = torch.cuda.get_device_capability(0)
+        capability = (major, minor)
         return AcceleratorInfo(
             device_type="cuda",
             dist_backend="nccl",
@@ -103,3 +104,20 @@ class CUDAAccelerator(Accelerator):
 
         free, total = torch.cuda.mem_get_info(index)
         return int(free), int(total)
+
+    def measure_peak(self, fn: Callable[[], Any], index: int = 0) -> int:
+        # the caching allocator's peak counter, as vLLM's profile run reads it;
+        # memory outside torch's allocator (NCCL, cuBLAS workspaces) shows in mem_get_info
+        import torch
+
+        torch.cuda.synchronize(index)
+        torch.cuda.reset_peak_memory_stats(index)
+        before = torch.cuda.memory_allocated(index)
+        reserved_before = torch.cuda.memory_reserved(index)
+        free_before, _ = torch.cuda.mem_get_info(index)
+        fn()
+        torch.cuda.synchronize(index)
+        peak = torch.cuda.max_memory_allocated(index) - before
+        free_after, _ = torch.cuda.mem_get_info(index)
+        outside = (free_before - free_after) - (torch.cuda.memory_reserved(index) - reserved_before)
+        return max(0, peak) + max(0, outside)

@@ -1,17 +1,17 @@
 """The cpukernels backend: what it does better than the reference, per op,
 decided from the instruction sets the accelerator reports.
 
-Besides the contract's ops it offers one of its own, ``gguf_formats() ->
-(formats, path)``: the GGUF types whose ``QuantizedWeight`` (format
-``gguf_<type>``) ``pack_linear`` keeps in their blocks, and how ``linear``
-runs them (quant.py). Model loaders that find it keep GGUF weights quantized."""
+Its capabilities declare ``gguf_formats``: the GGUF types whose
+``QuantizedWeight`` (format ``gguf_<type>``) ``pack_linear`` keeps in their
+blocks, and how ``linear`` runs them (``gguf_path``, quant.py). Model loaders
+that find them keep GGUF weights quantized."""
 
 from __future__ import annotations
 
 import importlib.util
 from typing import Any, Callable, Mapping
 
-from plinth.api import Backend, PluginError, QuantizedWeight, SelectionContext
+from plinth.api import Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
 
 from plinth_plugin_cpukernels.gemm import DTYPE_NAMES, PackedLinear, SmallGemm, make_linear, pack_linear
 from plinth_plugin_cpukernels.quant import (
@@ -78,6 +78,12 @@ class CPUKernelsBackend(Backend):
         why = bf16_gemm_missing(isa)
         return {"pack_linear": why, "linear": why} if why else {}
 
+    def capabilities(self) -> BackendCapabilities:
+        isa = accelerator_isa(self.ctx)
+        if isa is None or "linear" in self.unsupported_ops(self.ctx):
+            return BackendCapabilities()
+        return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=f"integer dot products on the blocks, {gguf_kernel_path(isa)}")
+
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         import torch.nn.functional as F
 
@@ -123,8 +129,7 @@ class CPUKernelsBackend(Backend):
                     return gguf.linear(x, weight, bias)
                 return dense_linear(x, weight, bias)
 
-            path = f"integer dot products on the blocks, {gguf_kernel_path(isa)}"
-            ops.update({"pack_linear": pack, "linear": linear, "gguf_formats": lambda: (tuple(GGUF_FORMATS), path)})
+            ops.update({"pack_linear": pack, "linear": linear})
         kernels = load_kernels(isa)
         # the decode kernel reads the reference's KV layout and hands it what
         # it does not handle; without the reference's attention ops, none

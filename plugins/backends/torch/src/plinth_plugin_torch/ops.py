@@ -27,10 +27,10 @@ def _rms_norm_small_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     On CPU, F.rms_norm runs as ~10 separate kernels, and for the few rows of
     a decode step their dispatch costs more than the arithmetic."""
     d = x.shape[-1]
-    doubled = weight.__dict__.get(_DOUBLED_ATTR)
+    doubled = vars(weight).get(_DOUBLED_ATTR)
     if doubled is None:
         doubled = torch.cat((weight, torch.zeros_like(weight)))
-        weight.__dict__[_DOUBLED_ATTR] = doubled
+        vars(weight)[_DOUBLED_ATTR] = doubled
     y = F.layer_norm(torch.cat((x, x.neg()), -1), (2 * d,), doubled, None, eps)[..., :d]
     return y.contiguous()
 
@@ -121,7 +121,7 @@ _TABLES_ATTR = "_plinth_rotary_tables"
 def _full_tables(cos_sin: torch.Tensor, dtype: torch.dtype, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[max_pos, rotary_dim] cos and signed-sin tables laid out for one
     multiply-add per rotated feature, made once per table and kept on it."""
-    tables = cos_sin.__dict__.setdefault(_TABLES_ATTR, {})
+    tables = vars(cos_sin).setdefault(_TABLES_ATTR, {})
     key = (dtype, is_neox)
     if key not in tables:
         half = cos_sin.shape[-1] // 2
@@ -145,7 +145,13 @@ class _RotaryMemo:
     __slots__ = ("positions", "version", "step", "table", "dtype", "is_neox", "cos", "sin")
 
     def __init__(self) -> None:
-        self.positions = self.version = self.table = self.dtype = self.is_neox = self.cos = self.sin = None
+        self.positions: Any = None
+        self.version: Any = None
+        self.table: Any = None
+        self.dtype: Any = None
+        self.is_neox: Any = None
+        self.cos: Any = None
+        self.sin: Any = None
         self.step = -1
 
 

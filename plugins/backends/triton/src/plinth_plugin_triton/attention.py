@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from plinth.api import AttentionMetadata, PluginError
 
+from plinth_plugin_triton.tuning import tuned
+
 STATE_KEY = "triton"
 
 
@@ -64,6 +66,7 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
+@tuned("decode", key=["G", "D", "DV", "BLOCK_N"])
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, BT, SL, MidO, MidM, MidL,
@@ -81,6 +84,7 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    h64 = h.to(tl.int64)  # one head's pages may hold over 2^31 elements: 64-bit offsets
     seq_len = tl.load(SL + b)
     start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -105,7 +109,7 @@ def _decode_split_kernel(
         valid = offs_n < end
         page = tl.load(BT + b * stride_bt + offs_n // page_size, mask=valid, other=0).to(tl.int64)
         off = offs_n % page_size
-        k = tl.load(K + h * stride_kh + page[:, None] * stride_kp + off[:, None] * stride_ko + offs_d[None, :],
+        k = tl.load(K + h64 * stride_kh + page[:, None] * stride_kp + off[:, None] * stride_ko + offs_d[None, :],
                     mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -119,7 +123,7 @@ def _decode_split_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + h * stride_vh + page[:, None] * stride_vp + off[:, None] * stride_vo + offs_dv[None, :],
+        v = tl.load(V + h64 * stride_vh + page[:, None] * stride_vp + off[:, None] * stride_vo + offs_dv[None, :],
                     mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
@@ -160,6 +164,7 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_outt + h * stride_outh + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < DV)
 
 
+@tuned("prefill", key=["G", "BLOCK_M", "D", "DV", "BLOCK_N"])
 @triton.jit
 def _prefill_kernel(
     Q, K, V, BT, SL, QSL, BlockSeq, BlockStart, Out,
@@ -176,6 +181,7 @@ def _prefill_kernel(
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    h64 = h.to(tl.int64)  # one head's pages may hold over 2^31 elements: 64-bit offsets
     seq = tl.load(BlockSeq + pid)
     q_first = tl.load(BlockStart + pid)  # this block's first token (flat batch index)
     seq_q_start = tl.load(QSL + seq)
@@ -212,7 +218,7 @@ def _prefill_kernel(
         in_ctx = offs_n < kv_end
         page = tl.load(BT + seq * stride_bt + offs_n // page_size, mask=in_ctx, other=0).to(tl.int64)
         off = offs_n % page_size
-        k = tl.load(K + h * stride_kh + page[:, None] * stride_kp + off[:, None] * stride_ko + offs_d[None, :],
+        k = tl.load(K + h64 * stride_kh + page[:, None] * stride_kp + off[:, None] * stride_ko + offs_d[None, :],
                     mask=in_ctx[:, None] & (offs_d[None, :] < D), other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -229,7 +235,7 @@ def _prefill_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + h * stride_vh + page[:, None] * stride_vp + off[:, None] * stride_vo + offs_dv[None, :],
+        v = tl.load(V + h64 * stride_vh + page[:, None] * stride_vp + off[:, None] * stride_vo + offs_dv[None, :],
                     mask=in_ctx[:, None] & (offs_dv[None, :] < DV), other=0.0)
         if UPCAST:
             v = v.to(tl.float32)

@@ -17,10 +17,11 @@ linear             FP8, weight-only dequant-in-kernel otherwise); dense weights:
 silu_and_mul       the reference (fused into fused_moe's first GEMM; dense MLPs
                    take torch's elementwise op)
 rotary             the reference (a gather + multiply-add; no kernel pays yet)
-fp8_path           an op of this backend's own: () -> (path, why), the FP8
-                   path its linear takes here; model loaders that find it keep
-                   FP8 weights quantized instead of dequantizing at load
 =================  ================================================================
+
+Its capabilities declare the FP8 path its linear takes here (``fp8``, with
+why); model loaders that find one keep FP8 weights quantized instead of
+dequantizing at load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import logging
 import os
 from typing import Any, Callable, Mapping
 
-from plinth.api import Backend, PluginError, QuantizedWeight, SelectionContext
+from plinth.api import Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
 
 #: what this backend takes from the reference, and why (logged at start-up)
 FROM_REFERENCE = {
@@ -48,10 +49,22 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
+#: Triton's NVIDIA backend takes float8e4nv (e4m3fn) tensors from sm_89 on
+#: (third_party/nvidia/backend/compiler.py: supported_fp8_dtypes adds fp8e4nv for capability >= 89)
+FP8_POINTERS_FROM = (8, 9)
+
+
+def _capability(text: str) -> tuple[int, int] | None:
+    digits = (text or "").removeprefix("sm_")
+    return (int(digits[:-1]), int(digits[-1])) if digits.isdigit() and len(digits) >= 2 else None
+
+
 def fp8_path(ctx: SelectionContext) -> tuple[str, str]:
-    """(path, why): "w8a8" (block-scaled FP8 GEMM on FP8 tensor cores) or
-    "weight_only" (FP8 weights dequantized inside the GEMM), from the
-    accelerator's reported FP8 support and capability."""
+    """(path, why): "w8a8" (block-scaled FP8 GEMM on FP8 tensor cores),
+    "weight_only" (float8 weights dequantized inside the GEMM) or, on GPUs
+    whose Triton takes no float8 pointer (below sm_89: A100, A10, 3090),
+    "weight_only_bits" (the e4m3 bytes loaded as uint8 and decoded to floats
+    inside the GEMM), from the accelerator's FP8 support and capability."""
     info = ctx.accelerator.info() if ctx.accelerator is not None else None
     if info is None:
         return "weight_only", "no accelerator in the context"
@@ -59,6 +72,12 @@ def fp8_path(ctx: SelectionContext) -> tuple[str, str]:
     if info.fp8 == "native" and info.device_type == "cuda":
         return "w8a8", f"{info.device_name or info.device_type} {cap} reports native FP8: block-scaled W8A8 (128x128 weight blocks, 1x128 activation groups); per-tensor FP8 weights run weight-only"
     if info.device_type == "cuda":
+        parsed = _capability(info.capability)
+        if parsed is None or parsed < FP8_POINTERS_FROM:
+            return "weight_only_bits", (
+                f"{info.device_name or 'GPU'} {cap} has no FP8 tensor cores and Triton takes no float8 pointer below sm_89: "
+                "FP8 bytes loaded as uint8 and decoded to floats inside the GEMM"
+            )
         return "weight_only", f"{info.device_name or 'GPU'} {cap} has no native FP8 (W8A8 needs sm_90 or newer): FP8 weights dequantized inside the GEMM"
     return "weight_only", f"{info.device_type} (fp8 {info.fp8}) under the Triton interpreter: FP8 weights dequantized inside the GEMM"
 
@@ -70,7 +89,7 @@ class TritonBackend(Backend):
     def check(cls, ctx: SelectionContext) -> list[str]:
         reasons = []
         if importlib.util.find_spec("triton") is None:
-            reasons.append("triton is not installed (pip install 'triton==3.9.0')")
+            reasons.append("triton is not installed (a CUDA build of torch brings the triton it was built with; pip install triton otherwise)")
         if importlib.util.find_spec("torch") is None:
             reasons.append("torch is not installed")
         acc = ctx.accelerator
@@ -107,12 +126,11 @@ class TritonBackend(Backend):
             log.info("backend triton: %s from the reference: %s", op, reason)
         path, why = fp8_path(self.ctx)
         log.info("backend triton: FP8 linear path %s: %s", path, why)
-        native = path == "w8a8"
         ref_pack, ref_linear = ref["pack_linear"], ref["linear"]
 
         def pack_linear(weight: Any) -> Any:
             if isinstance(weight, QuantizedWeight) and weight.format == "fp8_e4m3":
-                return fp8.pack(weight, native)
+                return fp8.pack(weight, path)
             return ref_pack(weight)
 
         def linear(x: Any, weight: Any, bias: Any = None) -> Any:
@@ -126,6 +144,9 @@ class TritonBackend(Backend):
             fused_moe=moe.fused_moe,
             pack_linear=pack_linear,
             linear=linear,
-            fp8_path=lambda: (path, why),
         )
         return ops
+
+    def capabilities(self) -> BackendCapabilities:
+        path, why = fp8_path(self.ctx)
+        return BackendCapabilities(fp8=path, fp8_why=why)

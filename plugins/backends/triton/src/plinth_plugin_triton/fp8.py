@@ -101,7 +101,7 @@ def _weight_only_kernel(
     M, N, K, block_n, block_k,
     stride_am, stride_bn, stride_bsn, stride_bsk, stride_cm,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FP8_BITS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -114,10 +114,19 @@ def _weight_only_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(A + offs_m[:, None] * stride_am + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(B + offs_n[None, :] * stride_bn + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        b = tl.load(B + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         s = tl.load(BS + (offs_n[None, :] // block_n) * stride_bsn + (offs_k[:, None] // block_k) * stride_bsk,
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        w = b.to(tl.float32) * s  # dequantized in registers
+        if FP8_BITS:  # e4m3fn bytes (uint8): decoded here, no float8 pointer (Triton rejects them below sm_89)
+            bits = b.to(tl.int32)
+            e = (bits >> 3) & 15
+            m = bits & 7
+            # normal: (8 + m) * 2^(e - 10) = (1 + m/8) * 2^(e - 7); subnormal (e = 0): m * 2^-9
+            mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (m + 8).to(tl.float32) * tl.exp2((e - 10).to(tl.float32)))
+            b32 = tl.where((bits & 128) != 0, -mag, mag)
+        else:
+            b32 = b.to(tl.float32)
+        w = b32 * s  # dequantized in registers
         acc += dot(a, w.to(a.dtype), UPCAST)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -127,7 +136,8 @@ def _weight_only_kernel(
 @dataclass
 class FP8Linear:
     """A packed FP8 weight: qweight [N, K] float8_e4m3fn, scale [ceil(N/bn),
-    ceil(K/bk)] float32 over blocks (bn, bk); mode "w8a8" or "weight_only"."""
+    ceil(K/bk)] float32 over blocks (bn, bk); mode "w8a8", "weight_only" or
+    "weight_only_bits" (qweight then holds the e4m3fn bytes as uint8)."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
@@ -154,15 +164,19 @@ def normalized_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[i
     raise ValueError(f"triton fp8: cannot read a scale of shape {tuple(scale.shape)} for a weight of shape {shape}")
 
 
-def pack(weight, native: bool) -> FP8Linear:
-    """A ``QuantizedWeight`` of format fp8_e4m3 -> FP8Linear; W8A8 only for
-    128x128 blocks on a GPU with native FP8, weight-only otherwise."""
+def pack(weight, path: str) -> FP8Linear:
+    """A ``QuantizedWeight`` of format fp8_e4m3 -> FP8Linear for the FP8
+    ``path`` the backend chose: W8A8 only for 128x128 blocks on a GPU with
+    native FP8; "weight_only_bits" keeps the bytes as uint8 (decoded in the
+    kernel), "weight_only" as float8_e4m3fn."""
     n, k = weight.shape
     q = weight.qweight.reshape(n, k)
     if q.dtype != torch.float8_e4m3fn:
         q = q.view(torch.float8_e4m3fn) if q.dtype == torch.uint8 else q.to(torch.float8_e4m3fn)
     scale, block = normalized_scale(weight.scale, (n, k), tuple(weight.block_size) if weight.block_size else None)
-    mode = "w8a8" if native and block == (GROUP, GROUP) else "weight_only"
+    if path == "weight_only_bits":
+        return FP8Linear(qweight=q.contiguous().view(torch.uint8), scale=scale, block=block, mode=path, shape=(n, k))
+    mode = "w8a8" if path == "w8a8" and block == (GROUP, GROUP) else "weight_only"
     return FP8Linear(qweight=q.contiguous(), scale=scale, block=block, mode=mode, shape=(n, k))
 
 
@@ -200,6 +214,7 @@ def linear(x: torch.Tensor, w: FP8Linear, bias: torch.Tensor | None = None) -> t
             m, n, k, w.block[0], w.block[1],
             x2.stride(0), w.qweight.stride(0), w.scale.stride(0), w.scale.stride(1), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, UPCAST=upcast or x.dtype == torch.float32,
+            FP8_BITS=w.mode == "weight_only_bits",
         )
     return out.view(*lead, n)
 

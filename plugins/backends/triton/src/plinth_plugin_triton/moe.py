@@ -28,8 +28,10 @@ import triton
 import triton.language as tl
 
 from plinth_plugin_triton.attention import dot, interpreting
+from plinth_plugin_triton.tuning import tuned
 
 
+@tuned("moe", key=["hidden", "inter", "BLOCK_M"])
 @triton.jit
 def _moe_gate_up_kernel(
     X, W13, SortedPairs, BlockExpert, Act,
@@ -66,6 +68,7 @@ def _moe_gate_up_kernel(
     tl.store(Act + offs_m[:, None] * stride_at + offs_n[None, :], act.to(Act.dtype.element_ty), mask=n_ok[None, :])
 
 
+@tuned("moe", key=["hidden", "inter", "BLOCK_M"])
 @triton.jit
 def _moe_down_kernel(
     Act, W2, SortedPairs, BlockExpert, TopkW, Out,
@@ -117,7 +120,9 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     valid = (flat >= 0) & (flat < num_experts)
     bucket = torch.where(valid, flat, num_experts)
     order = torch.argsort(bucket, stable=True)
-    counts = torch.bincount(bucket, minlength=num_experts + 1)[:num_experts]
+    # per-expert counts on the device: bincount sizes its output from the input's max, a host sync
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, bucket, torch.ones_like(bucket))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded

@@ -52,7 +52,7 @@ class LocalConnector(KVConnector):
             self.disk_bytes = _size(self.config.get("disk_bytes"), 4 << 30)
         except ValueError as exc:
             raise ConfigError(f"kv connector local: bad byte size: {exc}") from exc
-        self.disk_dir = self.config.get("disk_dir")
+        self.disk_dir: str | None = self.config.get("disk_dir")
         if self.disk_dir:
             os.makedirs(self.disk_dir, exist_ok=True)
         if self.cpu_bytes <= 0 and not self.disk_dir:
@@ -95,6 +95,7 @@ class LocalConnector(KVConnector):
     # ---- disk tier ---------------------------------------------------------------------
 
     def _path(self, key: str) -> str:
+        assert self.disk_dir is not None  # the disk tier is on
         return os.path.join(self.disk_dir, hashlib.blake2b(key.encode(), digest_size=20).hexdigest() + ".kv")
 
     def _disk_put(self, key: str, data: bytes) -> None:

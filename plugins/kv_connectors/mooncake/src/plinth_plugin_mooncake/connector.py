@@ -8,9 +8,14 @@ Configuration (the fields Mooncake's own vLLM/SGLang integrations use), from
   built-in HTTP metadata server), or ``P2PHANDSHAKE``
 * ``master_server_address``: ``host:port`` of ``mooncake_master``
 * ``protocol``: ``tcp`` (default) or ``rdma``; ``device_name``: RDMA devices
-* ``global_segment_size``, ``local_buffer_size``: bytes this client
-  contributes to the store / uses for transfers (default 256 MiB / 128 MiB)
-* ``local_hostname``: this client's address (default 127.0.0.1)
+* ``global_segment_size``, ``local_buffer_size``: what this client
+  contributes to the store / uses for transfers (default 256 MiB / 128 MiB),
+  bytes or a size string as Mooncake's own config reader takes it ("3GB",
+  "512 mb", "1.5g")
+* ``local_hostname``: the address peers fetch this client's segment from.
+  Default: 127.0.0.1 when the master is on loopback, else the address of
+  the interface that reaches the master (a loopback address would send
+  peers on other hosts to their own machine)
 * ``zero_copy`` (default true): move values with ``batch_get_into`` /
   ``batch_put_from`` straight between the store and the core's staging
   buffers, registered with the transfer engine (``register_buffer``); false:
@@ -49,6 +54,56 @@ FIELDS = (
 )
 
 
+#: mooncake-wheel/mooncake/mooncake_config.py:75-85 (_SIZE_SUFFIXES), tried in this order
+SIZE_SUFFIXES = (
+    ("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40),
+    ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1),
+)  # fmt: skip
+
+
+def parse_size(name: str, value: Any) -> int:
+    """Bytes from an int or a size string, as Mooncake's config reader
+    (mooncake_config.py:127 ``_parse_segment_size``) reads them: "3GB" is
+    3 x 2^30, a bare number is bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"mooncake: {name} must be bytes or a size string like '3GB', not {value!r}")
+    if isinstance(value, int):
+        return value
+    s = str(value).strip().lower()
+    try:
+        for suffix, multiplier in SIZE_SUFFIXES:
+            if s.endswith(suffix):
+                return int(float(s[: -len(suffix)].strip()) * multiplier)
+        return int(float(s))
+    except ValueError:
+        raise ConfigError(f"mooncake: {name} must be bytes or a size string like '3GB', not {value!r}") from None
+
+
+def _host(address: str) -> str:
+    host = address.rpartition(":")[0] if ":" in address else address
+    return host.strip("[]")
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def route_to(address: str) -> str:
+    """The local address of the interface that reaches ``host:port`` (a UDP
+    connect sends nothing; the kernel only picks the route)."""
+    host, _, port = address.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host.strip("[]"), int(port or 9)))
+        return s.getsockname()[0]
+
+
 def load_config(options: dict[str, Any]) -> dict[str, Any]:
     cfg: dict[str, Any] = {}
     path = options.get("config_path") or os.environ.get("MOONCAKE_CONFIG_PATH")
@@ -67,9 +122,26 @@ def load_config(options: dict[str, Any]) -> dict[str, Any]:
         )
     cfg.setdefault("protocol", "tcp")
     cfg.setdefault("device_name", "")
-    cfg.setdefault("global_segment_size", 256 << 20)
-    cfg.setdefault("local_buffer_size", 128 << 20)
-    cfg.setdefault("local_hostname", "127.0.0.1")
+    cfg["global_segment_size"] = parse_size("global_segment_size", cfg.get("global_segment_size", 256 << 20))
+    cfg["local_buffer_size"] = parse_size("local_buffer_size", cfg.get("local_buffer_size", 128 << 20))
+    if not cfg.get("local_hostname"):
+        master = str(cfg["master_server_address"])
+        if _is_loopback(_host(master)):
+            cfg["local_hostname"] = "127.0.0.1"
+        else:
+            try:
+                cfg["local_hostname"] = route_to(master)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"mooncake: local_hostname is not set and no interface reaches the master {master} ({exc}): "
+                    "give local_hostname, the address peers on other hosts fetch this segment from"
+                ) from None
+            log.info("mooncake: local_hostname %s (the interface that reaches the master %s)", cfg["local_hostname"], master)
+    elif _is_loopback(str(cfg["local_hostname"])) and not _is_loopback(_host(str(cfg["master_server_address"]))):
+        raise ConfigError(
+            f"mooncake: local_hostname {cfg['local_hostname']} is a loopback address but the master "
+            f"{cfg['master_server_address']} is on another host: peers there would fetch this segment from themselves"
+        )
     if cfg["protocol"] not in ("tcp", "rdma"):
         raise ConfigError(f"mooncake: protocol must be tcp or rdma, got {cfg['protocol']!r}")
     return cfg
@@ -101,6 +173,8 @@ class MooncakeConnector(KVConnector):
         self.zero_copy = str(self.config.get("zero_copy", True)).lower() not in ("0", "false", "no")
         #: staging areas registered with the transfer engine: thread id -> (address, bytes)
         self._regions: dict[int, tuple[int, int]] = {}
+        #: staging-area registrations made (one per core worker thread, again only when an area grows)
+        self.registrations = 0
 
     def _client(self) -> Any:
         with self._lock:
@@ -152,47 +226,39 @@ class MooncakeConnector(KVConnector):
             n += 1
         return n
 
-    # ---- zero copy: the core's staging area registered for the call that follows on this thread ----
+    # ---- zero copy: each core worker thread's staging area, registered once and kept ----
 
     def register_buffer(self, buffer: Any) -> None:
         if not self.zero_copy:
             return
         store = self._client()
+        old = self._regions.pop(threading.get_ident(), None)
+        if old is not None:  # the core grew this thread's area: the old one is freed after this
+            rc = store.unregister_buffer(old[0])
+            if rc != 0:
+                log.warning("mooncake: unregister_buffer returned %d", rc)
         addr, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
         rc = store.register_buffer(addr, size)
         if rc != 0:
-            log.warning("mooncake: register_buffer returned %d; this call copies through bytes", rc)
+            log.warning("mooncake: register_buffer returned %d; this thread copies through bytes", rc)
             return
         self._regions[threading.get_ident()] = (addr, size)
+        self.registrations += 1
 
-    def _registered(self, buffers: Sequence[Any]) -> tuple[int, int] | None:
+    def _registered(self, buffers: Sequence[Any]) -> bool:
         region = self._regions.get(threading.get_ident())
         if region is None:
-            return None
+            return False
         lo, hi = region[0], region[0] + region[1]
-        for b in buffers:
-            if not (lo <= b.data_ptr() and b.data_ptr() + b.numel() <= hi):
-                return None
-        return region
-
-    def _unregister(self, store: Any) -> None:
-        region = self._regions.pop(threading.get_ident(), None)
-        if region is not None:
-            rc = store.unregister_buffer(region[0])  # the core frees the staging area after this call
-            if rc != 0:
-                log.warning("mooncake: unregister_buffer returned %d", rc)
+        return all(lo <= b.data_ptr() and b.data_ptr() + b.numel() <= hi for b in buffers)
 
     def load(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         store = self._client()
-        if self._registered(buffers) is not None:
-            try:
-                got = store.batch_get_into(list(keys), [b.data_ptr() for b in buffers], [b.numel() for b in buffers])
-            finally:
-                self._unregister(store)
+        if self._registered(buffers):
+            got = store.batch_get_into(list(keys), [b.data_ptr() for b in buffers], [b.numel() for b in buffers])
             if got and got[0] < 0 and got[0] != OBJECT_NOT_FOUND:
                 raise ConnectionError(f"mooncake: batch_get_into returned {got[0]}")
             return [int(n) if n > 0 else 0 for n in got]
-        self._unregister(store)
         return self._load_bytes(store, keys, buffers)
 
     def _load_bytes(self, store: Any, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
@@ -212,16 +278,12 @@ class MooncakeConnector(KVConnector):
 
     def save(self, keys: Sequence[str], values: Sequence[Any]) -> None:
         store = self._client()
-        if self._registered(values) is not None:
-            try:
-                rcs = store.batch_put_from(list(keys), [v.data_ptr() for v in values], [v.numel() for v in values])
-            finally:
-                self._unregister(store)
+        if self._registered(values):
+            rcs = store.batch_put_from(list(keys), [v.data_ptr() for v in values], [v.numel() for v in values])
             failed = [r for r in rcs if r < 0 and r != OBJECT_ALREADY_EXISTS]
             if failed:
                 raise ConnectionError(f"mooncake: batch_put_from failed for {len(failed)} of {len(rcs)} keys ({failed[0]})")
             return
-        self._unregister(store)
         rc = store.put_batch(list(keys), [v.numpy().tobytes() for v in values])
         if rc < 0:
             raise ConnectionError(f"mooncake: put_batch returned {rc}")

@@ -139,6 +139,57 @@ def cos_sin_table(arch: DeepseekArch) -> torch.Tensor:
     return torch.cat((angles.cos() * scaling, angles.sin() * scaling), dim=-1)
 
 
+# ---- FP8 checkpoints (DeepSeek-V3/R1, Kimi K2 as released) ----
+
+
+def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
+    """The weight blocks of a block-scaled FP8 checkpoint, None when not
+    quantized; other quantizations are refused."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    block = quant.get("weight_block_size")
+    if quant.get("quant_method") != "fp8" or not block or len(block) != 2:
+        raise ConfigError(f"the deepseek plugin loads block-scaled FP8 checkpoints (quant_method fp8 with weight_block_size), not {quant}")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 weight [out, in] from FP8 values and one float32 scale per
+    block [ceil(out / b0), ceil(in / b1)] (DeepSeek's ``weight_dequant``:
+    w = fp8 * scale_inv, edge blocks cut to the weight)."""
+    out, inp = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
+    return weight.float() * scale
+
+
+def _dequantized(tensors: Any, block: tuple[int, int] | None) -> Any:
+    """The checkpoint's tensors with FP8 weights dequantized to float32 at
+    load (no backend op keeps DeepSeek's FP8 here yet): FP8 weights wait for
+    their ``weight_scale_inv``, which may come later or from another shard."""
+    if block is None:
+        yield from tensors
+        return
+    waiting: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith("_scale_inv"):
+            weight = name.removesuffix("_scale_inv")
+            if weight in waiting:
+                yield weight, dequantize_fp8(waiting.pop(weight), tensor, block)
+            else:
+                scales[weight] = tensor
+        elif tensor.dtype == torch.float8_e4m3fn:
+            if name in scales:
+                yield name, dequantize_fp8(tensor, scales.pop(name), block)
+            else:
+                waiting[name] = tensor
+        else:
+            yield name, tensor
+    if waiting:
+        raise ConfigError(f"FP8 weights without a weight_scale_inv: {sorted(waiting)[:3]}")
+
+
 class DeepseekLoader(ModelLoader):
     """Builds DeepseekV3ForCausalLM."""
 
@@ -198,14 +249,15 @@ class DeepseekLoader(ModelLoader):
 
     def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> DeepseekV3ForCausalLM:
         cfg = dict(config.raw) if config.raw else self.hf_config(source)
-        if ctx.tp_size > 1 or ctx.ep_size > 1:
-            raise ConfigError("the deepseek plugin runs at tp = 1 and ep = 1 for now (MLA heads over tp and experts over ep are not in yet)")
-        if cfg.get("quantization_config"):
-            raise ConfigError("the deepseek plugin does not load quantized (FP8) checkpoints yet: dequantize to bf16 first")
+        if ctx.ep_size > 1:
+            raise ConfigError("the deepseek plugin runs at ep = 1 for now (experts over ep are not in yet; tp splits them)")
+        if cfg["num_attention_heads"] % ctx.tp_size:
+            raise ConfigError(f"tp={ctx.tp_size} does not divide the {cfg['num_attention_heads']} attention heads")
+        block = fp8_block_size(cfg)
         arch = DeepseekArch.from_hf(cfg)
         top: dict[str, torch.Tensor] = {}
         per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(arch.num_layers)]
-        for name, tensor in iter_safetensors(source.path, dtype=None, progress=ctx.progress):
+        for name, tensor in _dequantized(iter_safetensors(source.path, dtype=None, progress=ctx.progress), block):
             where = _map_name(name)
             if where is None:
                 log.debug("ignoring checkpoint tensor %s", name)
@@ -232,7 +284,19 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
     def linear(t: torch.Tensor) -> Any:
         return ops.pack_linear(put(t))
 
-    dn, dv, rank = arch.qk_nope_head_dim, arch.v_head_dim, arch.kv_lora_rank
+    dn, dr, dv, rank = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim, arch.kv_lora_rank
+    tp, tp_rank = ctx.tp_size, ctx.tp_rank
+    heads = arch.num_heads // tp  # this rank's heads: the latent cache is whole on every rank, as in vLLM
+    mine = slice(tp_rank * heads, (tp_rank + 1) * heads)
+
+    def head_rows(t: torch.Tensor, per_head: int) -> torch.Tensor:
+        return t.view(arch.num_heads, per_head, *t.shape[1:])[mine].reshape(heads * per_head, *t.shape[1:])
+
+    def split(size: int) -> slice:  # this rank's slice of an MLP's intermediate dimension
+        if size % tp:
+            raise ConfigError(f"tp={tp} does not divide an intermediate size of {size}")
+        return slice(tp_rank * size // tp, (tp_rank + 1) * size // tp)
+
     layers = []
     for i, d in enumerate(per_layer):
         where = f"layer {i}"
@@ -240,23 +304,24 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
         layer.input_norm = put(need(d, "input_norm", where))
         layer.post_norm = put(need(d, "post_norm", where))
         if arch.q_lora_rank:
-            layer.q_a, layer.q_b = linear(need(d, "q_a", where)), linear(need(d, "q_b", where))
+            layer.q_a, layer.q_b = linear(need(d, "q_a", where)), linear(head_rows(need(d, "q_b", where), dn + dr))
             layer.q_a_norm = put(need(d, "q_a_norm", where))
         else:
-            layer.q_proj = linear(need(d, "q_proj", where))
+            layer.q_proj = linear(head_rows(need(d, "q_proj", where), dn + dr))
         layer.kv_a = linear(need(d, "kv_a", where))
         layer.kv_a_norm = put(need(d, "kv_a_norm", where))
         kv_b = need(d, "kv_b", where)
         if tuple(kv_b.shape) != (arch.num_heads * (dn + dv), rank):
             raise ConfigError(f"{where}: kv_b_proj is {tuple(kv_b.shape)}, the config implies {(arch.num_heads * (dn + dv), rank)}")
-        w_uk, w_uv = put(kv_b).view(arch.num_heads, dn + dv, rank).split((dn, dv), dim=1)
-        layer.w_uk, layer.w_uv = w_uk.contiguous(), w_uv.contiguous()  # [H, dn, L], [H, dv, L]
-        layer.o_proj = linear(need(d, "o_proj", where))
+        w_uk, w_uv = put(kv_b).view(arch.num_heads, dn + dv, rank)[mine].split((dn, dv), dim=1)
+        layer.w_uk, layer.w_uv = w_uk.contiguous(), w_uv.contiguous()  # [heads, dn, L], [heads, dv, L]
+        layer.o_proj = linear(need(d, "o_proj", where)[:, mine.start * dv : mine.stop * dv])
         if arch.is_moe(i):
-            _build_moe(arch, layer, d, where, put, need, linear)
+            _build_moe(arch, layer, d, where, put, need, linear, split)
         else:
-            layer.gate_up = linear(torch.cat((need(d, "gate", where), need(d, "up", where))))
-            layer.down = linear(need(d, "down", where))
+            cut = split(arch.intermediate_size)
+            layer.gate_up = linear(torch.cat((need(d, "gate", where)[cut], need(d, "up", where)[cut])))
+            layer.down = linear(need(d, "down", where)[:, cut])
         layers.append(layer)
         d.clear()
 
@@ -275,30 +340,34 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
         norm=put(need(top, "norm", "the final norm")),
         lm_head=ops.pack_linear(put(lm_head)),
         layers=layers,
+        num_heads=heads,
+        tp_group=ctx.tp_group if tp > 1 else None,
     )
 
 
-def _build_moe(arch: DeepseekArch, layer: DeepseekLayer, d: dict[str, torch.Tensor], where: str, put: Any, need: Any, linear: Any) -> None:
-    """The router, the experts as w13 [E, 2I, H] / w2 [E, H, I] for
-    ``fused_moe``, and the shared experts as one dense MLP."""
+def _build_moe(arch: DeepseekArch, layer: DeepseekLayer, d: dict[str, torch.Tensor], where: str, put: Any, need: Any, linear: Any, split: Any) -> None:
+    """The router, the experts as w13 [E, 2I', H] / w2 [E, H, I'] for
+    ``fused_moe``, and the shared experts as one dense MLP (I' = I / tp:
+    each expert split over tp like a dense MLP)."""
     inter = arch.moe_intermediate_size
+    cut = split(inter)
     fused = d.get("experts_gate_up")
     w13, w2 = [], []
     for e in range(arch.n_routed_experts):
         if fused is not None:
-            w13.append(fused[e])
-            w2.append(need(d, "experts_down", where)[e])
+            gate, up, down = fused[e, :inter], fused[e, inter:], need(d, "experts_down", where)[e]
         else:
             gate, up, down = (need(d, f"expert.{e}.{part}", f"{where}, expert {e}") for part in ("gate", "up", "down"))
-            w13.append(torch.cat((gate, up)))
-            w2.append(down)
+        if tuple(gate.shape) != (inter, arch.hidden_size):
+            raise ConfigError(f"{where}: expert {e}'s gate is {tuple(gate.shape)}, the config implies {(inter, arch.hidden_size)}")
+        w13.append(torch.cat((gate[cut], up[cut])))
+        w2.append(down[:, cut])
     layer.w13, layer.w2 = put(torch.stack(w13)), put(torch.stack(w2))
-    if tuple(layer.w13.shape[1:]) != (2 * inter, arch.hidden_size):
-        raise ConfigError(f"{where}: experts are {tuple(layer.w13.shape)}, the config implies [E, {2 * inter}, {arch.hidden_size}]")
     if arch.n_routed_experts % arch.n_group:
         raise ConfigError(f"{arch.n_routed_experts} routed experts do not split into n_group = {arch.n_group} groups")
     bias = d.get("router_bias")
     layer.router = DeepseekRouter(put(need(d, "router", where), "router"), None if bias is None else put(bias, "router_bias"), arch)
     if arch.n_shared_experts:
-        layer.shared_gate_up = linear(torch.cat((need(d, "shared_gate", where), need(d, "shared_up", where))))
-        layer.shared_down = linear(need(d, "shared_down", where))
+        s = split(inter * arch.n_shared_experts)
+        layer.shared_gate_up = linear(torch.cat((need(d, "shared_gate", where)[s], need(d, "shared_up", where)[s])))
+        layer.shared_down = linear(need(d, "shared_down", where)[:, s])

@@ -9,15 +9,18 @@ experts after them. Routing is DeepSeek's noaux_tc, as transformers'
 ``e_score_correction_bias`` added for choosing only, experts chosen inside
 the ``topk_group`` best of ``n_group`` groups (a group scored by its two best
 biased scores), weights from the unbiased scores, renormalized when
-``norm_topk_prob``, times ``routed_scaling_factor``.
+``norm_topk_prob``, times ``routed_scaling_factor``. With tensor
+parallelism a rank holds its share of the heads and of every MLP's
+intermediate dimension, and the layer's two outputs are all-reduced.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
+import torch.distributed
 from plinth.api import AttentionMetadata
 
 from plinth_plugin_deepseek import mla
@@ -134,9 +137,13 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
     compute_logits(hidden [N, H]) -> float32 logits [N, vocab]."""
 
     def __init__(self, arch: DeepseekArch, ops: Any, *, cos_sin: torch.Tensor, scale: float, embed: torch.Tensor,
-                 norm: torch.Tensor, lm_head: Any, layers: Sequence[DeepseekLayer]) -> None:
+                 norm: torch.Tensor, lm_head: Any, layers: Sequence[DeepseekLayer], num_heads: int | None = None,
+                 tp_group: Any = None) -> None:
         super().__init__()
         self.arch, self.ops = arch, ops
+        #: this rank's heads; with tp > 1 the o and down projections give partial sums, all-reduced over tp_group
+        self.num_heads = num_heads or arch.num_heads
+        self.tp_group = tp_group
         self.cos_sin, self.scale = cos_sin, scale
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
         self.layers = list(layers)
@@ -156,7 +163,7 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
             q = ops.linear(x, layer.q_proj)
         else:
             q = ops.linear(ops.rms_norm(ops.linear(x, layer.q_a), layer.q_a_norm, eps), layer.q_b)
-        q = q.view(num_tokens, arch.num_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim)
+        q = q.view(num_tokens, self.num_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim)
         q_nope, q_pe = q.split((arch.qk_nope_head_dim, arch.qk_rope_head_dim), dim=-1)
         latent, k_pe = ops.linear(x, layer.kv_a).split((arch.kv_lora_rank, arch.qk_rope_head_dim), dim=-1)
         latent = ops.rms_norm(latent.contiguous(), layer.kv_a_norm, eps)
@@ -186,13 +193,18 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
                 x = rms_norm(hidden, layer.input_norm, eps)
             else:
                 x, residual = rms_norm(hidden, layer.input_norm, eps, residual)
-            hidden = self.attention(layer, x, positions, kv_cache, meta.for_layer(i))
+            hidden = self.all_reduce(self.attention(layer, x, positions, kv_cache, meta.for_layer(i)))
             x, residual = rms_norm(hidden, layer.post_norm, eps, residual)
-            hidden = self.mlp(layer, x)
+            hidden = self.all_reduce(self.mlp(layer, x))
         if residual is None:
             return rms_norm(hidden, self.norm, eps)
         hidden, _ = rms_norm(hidden, self.norm, eps, residual)
         return hidden
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is not None:
+            torch.distributed.all_reduce(x, group=self.tp_group)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head).float()
@@ -221,5 +233,5 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
                 total += w.numel() * w.element_size()
             else:
                 size = getattr(w, "nbytes", 0)
-                total += int(size() if callable(size) else size)
+                total += int(cast(Any, size)() if callable(size) else size)
         return total

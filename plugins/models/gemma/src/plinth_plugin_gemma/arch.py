@@ -91,6 +91,7 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> GemmaArch:
     types = _layer_types(cfg, num_layers)
     if window is None and "sliding_attention" in types:
         raise ConfigError("the config has sliding-window layers but no sliding_window")
+    window_size = 0 if window is None else int(window)  # read only by sliding layers, which have one
     full, local = _rope(cfg)
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     return GemmaArch(
@@ -103,7 +104,7 @@ def arch_from_hf(cfg: Mapping[str, Any]) -> GemmaArch:
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
-        sliding_windows=[int(window) if t == "sliding_attention" else None for t in types],
+        sliding_windows=[window_size if t == "sliding_attention" else None for t in types],
         rope_global=full,
         rope_local=local,
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),

@@ -1,7 +1,7 @@
 """Loading Gemma 3 text models from a Hugging Face folder (safetensors) or a
 GGUF file (llama.cpp's tensor names). GGUF linear weights of the types the
-backend runs stay in their quantized blocks (the backend's op
-``gguf_formats() -> (type names, path)`` says which); the rest is
+backend runs stay in their quantized blocks (the backend's capabilities,
+``gguf_formats``, say which); the rest is
 dequantized to the compute dtype at load."""
 
 from __future__ import annotations
@@ -188,16 +188,16 @@ def _gguf_tensors(gguf: GGUFFile, ctx: LoadContext, num_layers: int) -> Iterator
     embedding's blocks; the embedding itself, a gather, is dequantized)."""
     dtype = str(ctx.dtype).removeprefix("torch.")
     quantized = [n for n in gguf.tensor_names if gguf.tensor_type(n) not in ("F32", "F16", "BF16", "F64")]
-    offer = getattr(ctx.ops, "gguf_formats", None)
+    caps = ctx.ops.capabilities
     kept: set[str] = set()
     if not quantized:
         why = "no quantized weights in the file"
     elif ctx.dequantize:
         why = f"dequantized at load to {dtype}: --dequantize"
-    elif offer is None:
-        why = f"dequantized at load to {dtype}: the backend runs no GGUF formats (no gguf_formats op)"
+    elif not caps.gguf_formats:
+        why = f"dequantized at load to {dtype}: the backend runs no GGUF formats (its capabilities declare none)"
     else:
-        formats, path = offer()
+        formats, path = caps.gguf_formats, caps.gguf_path
 
         def runnable(name: str) -> bool:
             return gguf.has_tensor(name) and gguf.tensor_type(name) in formats and len(gguf.tensor_shape(name)) == 2

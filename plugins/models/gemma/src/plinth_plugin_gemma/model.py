@@ -17,7 +17,7 @@ attention one does not, as in transformers: see ``GemmaArch``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -128,5 +128,5 @@ class Gemma3ForCausalLM(torch.nn.Module):
                 total += w.numel() * w.element_size()
             else:
                 size = getattr(w, "nbytes", 0)
-                total += int(size() if callable(size) else size)
+                total += int(cast(Any, size)() if callable(size) else size)
         return total

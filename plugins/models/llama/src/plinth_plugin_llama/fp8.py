@@ -10,9 +10,9 @@ Two layouts, as Hugging Face folders store them:
   ``weight_scale_inv``, a multiplier too). Static ``input_scale`` tensors are
   not used: activations are quantized dynamically.
 
-Which path a model takes is decided by the op table, not by device names:
+Which path a model takes is decided by the op table's capabilities, not by device names:
 
-* the backend offers the op ``fp8_path`` (the triton backend: block-scaled
+* the backend declares an ``fp8`` path (the triton backend: block-scaled
   W8A8 on GPUs with native FP8, weight-only FP8 GEMMs otherwise): the dense
   layers' projections are handed to ``ops.pack_linear`` as ``QuantizedWeight``s
   and stay FP8 in memory (tp = 1; the MoE experts, the embedding and the
@@ -50,19 +50,19 @@ class FP8Checkpoint:
         self.dtype = dtype
         self.ops = ops
         self.kept: dict[tuple[int, str], QuantizedWeight] = {}
-        backend_path = getattr(ops, "fp8_path", None)
+        caps = ops.capabilities
         scheme = f"block {self.block[0]}x{self.block[1]}" if self.block else "per-tensor"
-        if backend_path is None:
+        if not caps.fp8:
             self.keep = False
             self.path = f"FP8 ({scheme}) weight-only: dequantized at load to {str(dtype).removeprefix('torch.')}"
-            self.why = "the backend has no FP8 kernels (no fp8_path op)"
+            self.why = "the backend has no FP8 kernels (its capabilities declare no fp8 path)"
         elif tp_size > 1:
             self.keep = False
             self.path = f"FP8 ({scheme}) weight-only: dequantized at load to {str(dtype).removeprefix('torch.')}"
             self.why = f"FP8 weights are kept only at tp = 1 (tp = {tp_size})"
         else:
             self.keep = True
-            path, why = backend_path()
+            path, why = caps.fp8, caps.fp8_why
             self.path = f"FP8 ({scheme}) kept in FP8, the backend's {path} path for the dense layers' projections (experts, embedding and head dequantized at load)"
             self.why = why
         log.info("%s: %s", self.path, self.why)
@@ -162,7 +162,9 @@ def fuse_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         return QuantizedWeight(format=parts[0].format, qweight=q, scale=scale, shape=(n, k))
     if len(blocks) != 1 or None in blocks:
         return None
-    bn, _ = parts[0].block_size
+    block = parts[0].block_size
+    assert block is not None  # one block size, not None (checked above)
+    bn, _ = block
     if any(p.shape[0] % bn for p in parts[:-1]):
         return None
     return QuantizedWeight(format=parts[0].format, qweight=q, scale=torch.cat([p.scale for p in parts]), shape=(n, k), block_size=parts[0].block_size)

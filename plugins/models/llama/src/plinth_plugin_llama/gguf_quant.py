@@ -1,9 +1,9 @@
 """GGUF weights kept in their quantized blocks, where the backend runs them.
 
-Which path a GGUF model takes is decided by the op table, not by device names
+Which path a GGUF model takes is decided by the op table's capabilities, not by device names
 (as for FP8 checkpoints, fp8.py):
 
-* the backend offers the op ``gguf_formats() -> (formats, path)`` (cpukernels:
+* the backend declares ``gguf_formats`` in its capabilities (cpukernels:
   Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K with integer dot products on the
   blocks), tp = ep = 1 and no ``--dequantize``: the linear weights of a type
   it names are handed to ``ops.pack_linear`` as ``QuantizedWeight(format=
@@ -44,17 +44,17 @@ class GGUFWeights:
         self.tied_head = False
         dtype = str(ctx.dtype).removeprefix("torch.")
         quantized = [n for n in gguf.tensor_names if gguf.tensor_type(n) not in ("F32", "F16", "BF16", "F64")]
-        offer = getattr(ctx.ops, "gguf_formats", None)
+        caps = ctx.ops.capabilities
         if not quantized:
             self.why = "no quantized weights in the file"
         elif ctx.dequantize:
             self.why = f"dequantized at load to {dtype}: --dequantize"
-        elif offer is None:
-            self.why = f"dequantized at load to {dtype}: the backend runs no GGUF formats (no gguf_formats op)"
+        elif not caps.gguf_formats:
+            self.why = f"dequantized at load to {dtype}: the backend runs no GGUF formats (its capabilities declare none)"
         elif ctx.tp_size > 1 or ctx.ep_size > 1:
             self.why = f"dequantized at load to {dtype}: GGUF blocks are kept only at tp = ep = 1 (tp = {ctx.tp_size}, ep = {ctx.ep_size})"
         else:
-            formats, path = offer()
+            formats, path = caps.gguf_formats, caps.gguf_path
             self._choose(set(formats), num_layers)
             types = Counter(gguf.tensor_type(n) for n in self.kept)
             rest = Counter(gguf.tensor_type(n) for n in quantized if n not in self.kept and n != EMBEDDING)

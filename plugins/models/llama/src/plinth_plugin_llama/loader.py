@@ -199,8 +199,8 @@ class LlamaLoader(ModelLoader):
             else:
                 tensors = iter_safetensors(source.path, dtype=ctx.dtype, progress=ctx.progress)
 
-        top: dict[str, torch.Tensor] = {}
-        per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(arch.num_layers)]
+        top: dict[str, Any] = {}  # tensors, or QuantizedWeights kept for the backend
+        per_layer: list[dict[str, Any]] = [{} for _ in range(arch.num_layers)]
         for name, tensor in tensors:
             where = _map_name(name, *names)
             if where is None:

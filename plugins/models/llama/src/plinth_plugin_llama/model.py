@@ -12,7 +12,7 @@ after the row-parallel o and down projections.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -173,5 +173,5 @@ class LlamaForCausalLM(torch.nn.Module):
                 total += w.numel() * w.element_size()
             else:
                 size = getattr(w, "nbytes", 0)
-                total += int(size() if callable(size) else size)
+                total += int(cast(Any, size)() if callable(size) else size)
         return total

@@ -39,6 +39,7 @@ class DraftProposer(Proposer):
 
     def __init__(self, ctx: SelectionContext) -> None:
         super().__init__(ctx)
+        assert self.spec.speculative_model is not None, "check() requires --speculative-model"
         self.runner = self.spec.build_draft_runner(self.spec.speculative_model)
         self.vocab = self.spec.model.vocab_size  # propose only what the target can score
 

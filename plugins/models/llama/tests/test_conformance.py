@@ -1,0 +1,46 @@
+"""The llama plugin against plinth's conformance kit: its registration, its
+model loader on a tiny random Llama (paged chunked prefill and decode agree
+with one prefill), and every tool and reasoning parser it registers on its
+family's documented outputs."""
+
+from __future__ import annotations
+
+import pytest
+from plinth.testing import ModelLoaderConformance, check_reasoning_parser, check_tool_parser
+from test_llama_vs_transformers import saved_model
+from test_parsers import GOOD, REASONING
+
+#: registered name -> the parser class whose documented outputs it reads
+TOOL_PARSERS = {
+    "hermes": "HermesToolParser",
+    "qwen": "HermesToolParser",
+    "llama3_json": "Llama3JsonToolParser",
+    "mistral": "MistralToolParser",
+    "deepseek_v3": "DeepSeekV3ToolParser",
+    "kimi_k2": "KimiK2ToolParser",
+}
+REASONING_PARSERS = {"qwen3": "ThinkReasoningParser", "deepseek_r1": "DeepSeekR1ReasoningParser"}
+
+
+class TestConformance(ModelLoaderConformance):
+    name = "llama"
+    tokenizer = False  # a random-weight checkpoint without tokenizer files
+
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path_factory):
+        self.root = str(tmp_path_factory.mktemp("llama_conformance"))
+
+    def model_path(self) -> str:
+        return saved_model("llama", self.root)
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_tool_parser_conformance(name):
+    samples = tuple(text for cls, text, _, calls in GOOD if cls.__name__ == TOOL_PARSERS[name] and calls)
+    check_tool_parser(name, samples)
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_reasoning_parser_conformance(name):
+    samples = tuple((prompt, text) for cls, prompt, text, reasoning, _ in REASONING if cls.__name__ == REASONING_PARSERS[name] and reasoning)
+    check_reasoning_parser(name, samples)
