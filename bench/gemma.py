@@ -87,7 +87,9 @@ def measure(args: argparse.Namespace, path: str) -> dict:
     from plinth import LLM, SamplingParams
 
     decode = 16
-    llm = LLM(path, dtype=args.dtype, page_size=args.page_size, load_progress=False, max_num_seqs=1)
+    # a pool of half a GiB (not most of the machine's memory) and a fixed step: no timing probes
+    llm = LLM(path, dtype=args.dtype, page_size=args.page_size, load_progress=False, max_num_seqs=1,
+              kv_cache_memory=0.5, max_num_batched_tokens=512)
     engine, kv = llm.engine, llm.engine.kv
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 200000) for _ in range(args.context - decode)]

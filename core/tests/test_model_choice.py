@@ -20,7 +20,16 @@ from plugin_fakes import impl_module, plugin_module, registry_of  # noqa: E402
 
 
 class FakeLoader(ModelLoader):
-    pass
+    """Never asked to load: only the choice of loader is under test."""
+
+    def load_config(self, source):
+        raise AssertionError("not called")
+
+    def load_tokenizer(self, source):
+        raise AssertionError("not called")
+
+    def load_model(self, source, config, ctx):
+        raise AssertionError("not called")
 
 
 impl_module().FakeLoader = FakeLoader

@@ -7,6 +7,7 @@ text against llama.cpp on the same file where llama-cpp-python is installed."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import pytest
@@ -108,6 +109,7 @@ def test_integer_kernels_follow_transformers(reference, tokenizer, caplog):
     from plinth import SamplingParams
     from plinth.api import PluginError
 
+    caplog.set_level(logging.INFO, logger="plinth.gemma")
     try:
         llm = _engine("cpukernels")
     except PluginError as exc:
