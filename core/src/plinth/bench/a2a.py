@@ -142,12 +142,12 @@ def _rank(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
     dtype = getattr(torch, plan["dtype"])
     info = acc.info()
     most = max(plan["tokens"])  # the sweep's largest dispatch sizes the buffers, as a step's budget does in the engine
-    layout = PlannedLayout(
+    planned = PlannedLayout(
         world=world, dp=world, ep=world, local_world=world, device_type=info.device_type, capability=info.capability,
         dtype=plan["dtype"], hidden_size=max(plan["hidden"]), num_experts=max(plan["experts"]), top_k=max(plan["topk"]),
         max_tokens_per_step=most, max_num_seqs=most,
     )  # fmt: skip
-    ctx = SelectionContext(accelerator=acc, dtype=dtype, ep=world, options=options, layout=layout)
+    ctx = SelectionContext(accelerator=acc, dtype=dtype, ep=world, options=options, layout=planned)
     entry = registry.get("a2a", plan["name"])
     reasons = entry.evaluate(ctx)
     # every rank must agree to go on: one that cannot would leave the others in a collective
@@ -160,7 +160,7 @@ def _rank(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
     for num_experts, hidden, top_k in itertools.product(plan["experts"], plan["hidden"], plan["topk"]):
         if num_experts % world or top_k > num_experts:
             continue  # left out by the parent too
-        shape = dataclasses.replace(layout, hidden_size=hidden, num_experts=num_experts, top_k=top_k)
+        shape = dataclasses.replace(planned, hidden_size=hidden, num_experts=num_experts, top_k=top_k)
         a2a = cls(dataclasses.replace(ctx, layout=shape), group=dist.group.WORLD, num_experts=num_experts, hidden_size=hidden)
         a2a.reserve_buffers()  # every rank together, as at engine start-up
         start = rank * (num_experts // world)
