@@ -45,7 +45,12 @@ def test_two_groups_greedy_tokens_match_transformers(hybrid, page_size):
 def test_sliding_pages_are_freed_and_outputs_hold_under_prefix_caching_and_preemption(hybrid):
     ps = 4
     # a full pool of 48 pages (192 tokens) for 4 sequences of up to ~90 tokens: preemption
-    llm = LLM(hybrid, dtype="float32", backend="torch", load_progress=False, page_size=ps, num_pages=48, max_num_seqs=4)
+    # a small step budget admits the prompts over several steps, so later ones find the
+    # first one's pages cached (a measured budget on a fast CPU takes them all in one step)
+    llm = LLM(
+        hybrid, dtype="float32", backend="torch", load_progress=False, page_size=ps, num_pages=48, max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
     engine = llm.engine
     shared = _prompts(1, (24,))[0]
     prompts = [shared + p for p in _prompts(2, (3, 9, 20, 30))]
