@@ -83,6 +83,7 @@ from plinth.weights import (
     iter_safetensors,
     load_hf_config,
     safetensors_files,
+    weights_nbytes,
 )
 
 
@@ -174,4 +175,5 @@ __all__ = [
     "iter_safetensors",
     "load_hf_config",
     "safetensors_files",
+    "weights_nbytes",
 ]

@@ -19,7 +19,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, cast
 
 from plinth.errors import ConfigError
 
@@ -303,3 +303,21 @@ class GGUFFile:
         desc = f"Loading {os.path.basename(self.path)}"
         for name in _progress(names, total=len(names), desc=desc, enabled=progress):
             yield name, self.tensor(name, dtype)
+
+
+def weights_nbytes(weights: Iterable[Any], skip: Iterable[Any] = ()) -> int:
+    """Bytes ``weights`` take, each object counted once and those in ``skip``
+    not at all: tensors by their elements, a backend's packed weight by its
+    ``nbytes`` (an attribute or a method). A model's ``weight_bytes()``."""
+    seen = {id(w) for w in skip}
+    total = 0
+    for w in weights:
+        if id(w) in seen:
+            continue
+        seen.add(id(w))
+        if hasattr(w, "element_size") and hasattr(w, "numel"):  # a tensor (no torch import here)
+            total += w.numel() * w.element_size()
+        else:
+            size = getattr(w, "nbytes", 0)
+            total += int(cast(Any, size)() if callable(size) else size)
+    return total

@@ -17,11 +17,11 @@ intermediate dimension, and the layer's two outputs are all-reduced.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence, cast
+from typing import Any, Sequence
 
 import torch
 import torch.distributed
-from plinth.api import AttentionMetadata
+from plinth.api import AttentionMetadata, weights_nbytes
 
 from plinth_plugin_deepseek import mla
 from plinth_plugin_deepseek.mla import MLALatentSpec
@@ -221,17 +221,7 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
         """Bytes the weights take (each object once); ``per_token``: without
         the input embedding and the rotary table, which a decode step reads a
         row of."""
-        skip = {id(self.cos_sin)} if per_token else set()
+        skip = [self.cos_sin] if per_token else []
         if per_token and self.embed is not self.lm_head:
-            skip.add(id(self.embed))
-        total, seen = 0, set(skip)
-        for w in self.weights():
-            if id(w) in seen:
-                continue
-            seen.add(id(w))
-            if isinstance(w, torch.Tensor):
-                total += w.numel() * w.element_size()
-            else:
-                size = getattr(w, "nbytes", 0)
-                total += int(cast(Any, size)() if callable(size) else size)
-        return total
+            skip.append(self.embed)
+        return weights_nbytes(self.weights(), skip)

@@ -17,11 +17,11 @@ attention one does not, as in transformers: see ``GemmaArch``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence, cast
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, weights_nbytes
 
 from plinth_plugin_gemma.arch import GemmaArch
 
@@ -116,17 +116,7 @@ class Gemma3ForCausalLM(torch.nn.Module):
         """Bytes the weights take on the device, each object once. With
         ``per_token``, what one decode step reads: not the rotary tables nor
         an untied embedding (one row), but a tied head's whole matrix."""
-        skip = {id(t) for t in self.tables} if per_token else set()
+        skip = list(self.tables) if per_token else []
         if per_token and self.embed is not self.lm_head:
-            skip.add(id(self.embed))
-        total, seen = 0, set(skip)
-        for w in self.weights():
-            if id(w) in seen:
-                continue
-            seen.add(id(w))
-            if isinstance(w, torch.Tensor):
-                total += w.numel() * w.element_size()
-            else:
-                size = getattr(w, "nbytes", 0)
-                total += int(cast(Any, size)() if callable(size) else size)
-        return total
+            skip.append(self.embed)
+        return weights_nbytes(self.weights(), skip)

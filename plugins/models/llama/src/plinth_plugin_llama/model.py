@@ -12,10 +12,10 @@ after the row-parallel o and down projections.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, cast
+from typing import Any, Sequence
 
 import torch
-from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, weights_nbytes
 
 from plinth_plugin_llama.arch import LlamaArch
 from plinth_plugin_llama.parallel import Parallel
@@ -161,17 +161,7 @@ class LlamaForCausalLM(torch.nn.Module):
         repack linear weights into objects of its own. ``per_token``: only
         what one decode step reads (the input embedding gives one row, the
         rotary table a few; a tied output head still reads the whole matrix)."""
-        skip = {id(self.cos_sin)} if per_token else set()
+        skip = [self.cos_sin] if per_token else []
         if per_token and self.embed is not self.lm_head:
-            skip.add(id(self.embed))
-        total, seen = 0, set(skip)
-        for w in self.weights():
-            if id(w) in seen:
-                continue
-            seen.add(id(w))
-            if isinstance(w, torch.Tensor):
-                total += w.numel() * w.element_size()
-            else:
-                size = getattr(w, "nbytes", 0)
-                total += int(cast(Any, size)() if callable(size) else size)
-        return total
+            skip.append(self.embed)
+        return weights_nbytes(self.weights(), skip)
