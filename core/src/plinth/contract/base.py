@@ -69,6 +69,12 @@ class SelectionContext:
     speculative: "ProposerContext | None" = None
     #: a2a plugins: the planned parallel layout (None in `platform plugins`)
     layout: "PlannedLayout | None" = None
+    #: deterministic serving (``--deterministic``): every op a backend returns
+    #: must be batch-invariant, each row's result fixed by that row's own data
+    #: (never by how many rows share the call, how a prompt was chunked, the
+    #: page size or a prefix-cache hit); an op the backend cannot run so it
+    #: declines through ``Backend.unsupported_ops`` and the reference serves it
+    deterministic: bool = False
 
 
 class PluginImpl(abc.ABC):  # noqa: B024 (the category bases below it declare the abstract methods)
