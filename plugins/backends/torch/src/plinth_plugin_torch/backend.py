@@ -28,6 +28,7 @@ class TorchBackend(Backend):
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         from plinth_plugin_torch import attention, ops
 
+        deterministic = self.ctx.deterministic
         return {
             "rms_norm": ops.rms_norm,
             "pack_linear": ops.pack_linear,
@@ -35,8 +36,9 @@ class TorchBackend(Backend):
             "silu_and_mul": ops.silu_and_mul,
             "rotary": ops.rotary,
             "allocate_kv_cache": attention.allocate_kv_cache,
-            "prepare_attention": attention.prepare_attention,
-            "attention": attention.attention,
+            # --deterministic: the batch-invariant form (attention.deterministic_attention)
+            "prepare_attention": attention.prepare_deterministic_attention if deterministic else attention.prepare_attention,
+            "attention": attention.deterministic_attention if deterministic else attention.attention,
             "copy_pages": ops.copy_pages,
             "fused_moe": ops.fused_moe,
         }
