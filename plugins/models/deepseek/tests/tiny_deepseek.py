@@ -12,16 +12,21 @@ import torch
 
 VOCAB = 320
 PROMPT_LENS = [3, 17, 40, 64, 101]
-VARIANTS = ["q_lora", "no_q_lora"]
+VARIANTS = ["q_lora", "no_q_lora"]  # and "experts6" (tiny_config)
 
 
 def tiny_config(name: str):
+    """``q_lora`` / ``no_q_lora``: the models above; ``experts6``: 6 routed
+    experts in n_group 3 / topk_group 2 and 3 layers (1 dense), for ep = 4
+    (which does not divide 6)."""
     from transformers import DeepseekV3Config
 
+    shape = dict(num_hidden_layers=4, first_k_dense_replace=2, n_routed_experts=8, n_group=4)
+    if name == "experts6":
+        shape = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=6, n_group=3)
     return DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=2, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, **shape,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, num_experts_per_tok=2, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
         q_lora_rank=24 if name == "q_lora" else None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
         v_head_dim=12, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
