@@ -122,14 +122,14 @@ def mla_decode_times(shape: dict, batch: int, context: int, dtype, repeats: int)
         return torch.randn(*s, generator=g).to(dtype)
 
     args = (r(batch, heads, dn), r(batch, heads, dr), r(batch, rank), r(batch, dr))
-    w = dict(w_uk=r(heads, dn, rank) * 0.05, w_uv=r(heads, dv, rank) * 0.05, scale=0.1)
+    w_uk, w_uv = r(heads, dn, rank) * 0.05, r(heads, dv, rank) * 0.05
     out = {}
     with torch.no_grad():
         for name, op in (("absorbed", mla_decode), ("expanded", mla_prefill)):
-            op(*args, cache, meta, **w)  # warm-up
+            op(*args, cache, meta, w_uk=w_uk, w_uv=w_uv, scale=0.1)  # warm-up
             t0 = time.perf_counter()
             for _ in range(repeats):
-                op(*args, cache, meta, **w)
+                op(*args, cache, meta, w_uk=w_uk, w_uv=w_uv, scale=0.1)
             out[name] = 1000 * (time.perf_counter() - t0) / repeats
     return out
 
