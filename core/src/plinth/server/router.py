@@ -137,6 +137,8 @@ class EventSubscriber:
     replay protocol defines it: a DEALER sends ``[b"", start_seq]`` and gets
     ``[b"", seq, payload]`` for every buffered batch from ``start_seq`` on,
     then ``seq == -1``. Without a replay socket the loss is only logged.
+    With one, the subscriber also starts by replaying everything the replica
+    still buffers, so a router started after its replicas knows their caches.
     ``drop`` (tests) discards the sequence numbers it is true for, as if lost.
     """
 
@@ -167,6 +169,8 @@ class EventSubscriber:
             replay.connect(self.replay_endpoint)
         decode = msgspec.msgpack.Decoder().decode
         try:
+            if replay is not None:  # what the replica cached before this router started (or reconnected)
+                self._fill_gap(replay, None, decode)
             while not self._stop.is_set():
                 if not sock.poll(200):
                     continue
@@ -197,8 +201,8 @@ class EventSubscriber:
             log.warning("KV events from %s: undecodable batch %d: %s", self.endpoint, seq, exc)
         self.index.last_seq = seq
 
-    def _fill_gap(self, replay: Any, seq: int, decode: Callable[[bytes], Any]) -> None:
-        """Apply batches ``last_seq + 1 .. seq - 1`` from the replay socket (those it still buffers)."""
+    def _fill_gap(self, replay: Any, seq: int | None, decode: Callable[[bytes], Any]) -> None:
+        """Apply batches ``last_seq + 1 .. seq - 1`` (None: all) from the replay socket (those it still buffers)."""
         first = self.index.last_seq + 1
         if replay is not None:
             replay.send_multipart([b"", first.to_bytes(8, "big")])
@@ -209,11 +213,13 @@ class EventSubscriber:
                 n = int.from_bytes(frames[1], "big", signed=True)
                 if n == -1:
                     break
-                if self.index.last_seq < n < seq:
+                if self.index.last_seq < n and (seq is None or n < seq):
                     self._apply(n, frames[2], decode)
                     self.replayed += 1
             else:
                 log.warning("KV events from %s: the replay socket %s did not answer", self.endpoint, self.replay_endpoint)
+        if seq is None:
+            return
         missing = seq - 1 - self.index.last_seq
         if missing > 0:
             self.lost += missing
@@ -548,8 +554,11 @@ def build_router_app(
     async def _close() -> None:
         await router.close()
 
+    async def generate(request: Request) -> Response:
+        return await router.generate(request)
+
     for route in ROUTES:
-        app.add_api_route(route, router.generate, methods=["POST"])
+        app.add_api_route(route, generate, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
