@@ -2,7 +2,7 @@
 
     platform serve MODEL --port 8001 --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
     platform serve MODEL --port 8002 --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5558"}'
-    platform router --replicas http://127.0.0.1:8001 http://127.0.0.1:8002 \\
+    platform router --model MODEL --replicas http://127.0.0.1:8001 http://127.0.0.1:8002 \\
         --kv-events tcp://127.0.0.1:5557 tcp://127.0.0.1:5558 --port 8000
 
 Each request is scored per healthy replica the way llm-d's inference
@@ -13,9 +13,12 @@ llm-d's precise-prefix-cache sample):
   longest prefix first, known from the replica's own KV events (vLLM's
   format: any vLLM-compatible engine). Block keys are computed here from the
   token ids each ``BlockStored`` carries, chained over the parent's key, and
-  from the request's tokens (the replica's ``/tokenize``) the same way, as
-  llm-d's KV-cache indexer does: the engine's own hash never needs to be
-  reproduced;
+  from the request's tokens the same way, as llm-d's KV-cache indexer does:
+  the engine's own hash never needs to be reproduced. The request's tokens
+  are computed here (``PromptTokens``: the replicas' model's tokenizer,
+  ``--model``, and the server's own parsing and chat template), or by a
+  replica's ``/tokenize`` when the router cannot load that model; lost event
+  batches are asked for again on the replica's replay socket;
 - KV-cache use: ``1 - vllm:kv_cache_usage_perc`` from the replica's /metrics;
 - queue: ``(max - q) / (max - min)`` over the replicas (1 when all equal),
   ``q`` the replica's waiting + running requests, or the requests in flight
@@ -25,7 +28,7 @@ The best score wins, ties in turn. The request is passed through unchanged
 and its answer streamed back as it arrives. A replica that cannot be reached
 is marked down at once (the next-best replica gets the request), dropped from
 scoring, its prefix index cleared, and polled until it is healthy again
-(``plinth.server.replicas``). ``--policy round-robin | least-loaded`` turn
+(``plinth.server.replicas``, whose relay both fronts use). ``--policy round-robin | least-loaded`` turn
 scoring off (for comparison). /health and /metrics are the router's own.
 """
 
