@@ -57,22 +57,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], log: str) -> tuple[subprocess.Popen, str]:
+def launch(args: list[str], log: str) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
     cmd = [PLATFORM, *args, "--host", "127.0.0.1", "--port", str(port)]
-    p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}", log
+
+
+def wait_healthy(p: subprocess.Popen, url: str, log: str) -> None:
     end = time.monotonic() + 900
     while time.monotonic() < end:
         if p.poll() is not None:
-            raise RuntimeError(f"{args[0]} exited: {open(log).read()[-3000:]}")
+            raise RuntimeError(f"{p.args} exited: {open(log).read()[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return p, url
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.3)
-    raise RuntimeError(f"{args[0]} did not start: {open(log).read()[-3000:]}")
+    raise RuntimeError(f"{p.args} did not start: {open(log).read()[-3000:]}")
+
+
+def start(args: list[str], log: str) -> tuple[subprocess.Popen, str]:
+    p, url, _ = launch(args, log)
+    wait_healthy(p, url, log)
+    return p, url
 
 
 def stop(p: subprocess.Popen) -> None:
@@ -215,7 +223,8 @@ def main() -> int:
         pages, working, longest = a.num_pages, 0, 0
     else:
         pages, working, longest = kv_pages(a, model)
-    procs, urls, events, replays = [], [], [], []
+    procs: list[subprocess.Popen] = []
+    urls, logs, events, replays = [], [], [], []
     try:
         for i in range(a.replicas):
             ep, replay = f"ipc://{tmp}/kv{i}", f"ipc://{tmp}/replay{i}"
@@ -224,11 +233,14 @@ def main() -> int:
             args = ["serve", model, *(["--backend", a.backend] if a.backend else []), "--num-pages", str(pages),
                     "--max-num-batched-tokens", "512", "--max-num-seqs", str(a.max_num_seqs),
                     "--cpu-threads", str(a.threads), "--cpu-bind", bind, "--kv-events-config", json.dumps(cfg)]  # fmt: skip
-            p, url = start(args, f"{tmp}/replica{i}.log")
+            p, url, log = launch(args, f"{tmp}/replica{i}.log")  # all at once: they load in parallel
             procs.append(p)
             urls.append(url)
+            logs.append(log)
             events.append(ep)
             replays.append(replay)
+        for p, url, log in zip(procs, urls, logs):
+            wait_healthy(p, url, log)
         cores = (f"each bound to its own {a.threads} core(s)" if pin else f"unbound, sharing the machine's {ncpu} CPUs")
         print(f"{a.replicas} replicas, {a.threads} torch thread(s) each, {cores}; KV pool {pages} pages x {PAGE} tokens per replica"
               + (f" ({pages * PAGE / working:.0%} of the {working}-token working set; longest conversation {longest} tokens)" if working else "")
