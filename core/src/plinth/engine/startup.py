@@ -506,9 +506,12 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
 # ---- speculative decoding -----------------------------------------------------------------
 
 
-def _load_tokenizer(registry: PluginRegistry, ctx: SelectionContext, path: str) -> Any:
-    source = locate_model(path)
-    return choose_model_loader(registry, source, ctx).load()().load_tokenizer(source)
+def load_tokenizer(model: str, registry: PluginRegistry | None = None, ctx: SelectionContext | None = None) -> Any:
+    """The tokenizer (and chat template) a server of ``model`` uses, from its
+    model plugin, without loading weights (`platform router`, draft models)."""
+    registry = registry if registry is not None else PluginRegistry.discover()
+    source = locate_model(model, registry)
+    return choose_model_loader(registry, source, ctx if ctx is not None else SelectionContext()).load()().load_tokenizer(source)
 
 
 def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionContext, ops: Any, backend: str, num_pages: int, page_size: int) -> Any:
@@ -548,7 +551,7 @@ def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: Sele
         speculative_model=config.speculative_model,
         model=model_cfg,
         tokenizer=tokenizer,
-        load_tokenizer=lambda path: _load_tokenizer(registry, ctx, path),
+        load_tokenizer=lambda path: load_tokenizer(path, registry, ctx),
         build_draft_runner=lambda path: build_draft_runner(path, **draft),
     )
     sctx = dataclasses.replace(ctx, speculative=pctx)
