@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 from typing import Sequence as Seq
 
@@ -27,6 +28,51 @@ from plinth.engine.sequence import Request, Sequence
 from plinth.errors import RequestError
 
 log = logging.getLogger("plinth.engine")
+
+
+@dataclass
+class StepRows:
+    """The logits rows a step computes, and what each is for."""
+
+    #: flat token index of each logits row
+    rows: list[int] = field(default_factory=list)
+    #: the sequences sampling after this step, and their rows
+    samplers: list[Sequence] = field(default_factory=list)
+    sample_at: list[int] = field(default_factory=list)
+    #: prompt logprobs: sequence, first row, first position, count
+    prompt_lp: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    #: sequences with proposals: sequence, its batch index, first row
+    spec_at: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+
+def step_rows(batch: ScheduledBatch) -> StepRows:
+    out = StepRows()
+    offset = 0
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        c = seq.num_computed
+        if seq.request.prompt_logprobs is not None and seq.index == 0 and c < seq.num_prompt_tokens - 1:
+            count = min(c + n, seq.num_prompt_tokens - 1) - c
+            out.prompt_lp.append((seq, len(out.rows), c, count))
+            out.rows.extend(range(offset, offset + count))
+        if seq.spec_tokens:  # a decode scoring k proposals: the rows of all 1 + k positions
+            out.spec_at.append((seq, i, len(out.rows)))
+            out.rows.extend(range(offset, offset + n))
+        elif c + n == seq.num_tokens:
+            out.samplers.append(seq)
+            out.sample_at.append(len(out.rows))
+            out.rows.append(offset + n - 1)
+        offset += n
+    return out
+
+
+@dataclass
+class StepSampling:
+    """What a step samples: the job, and the sequence each sampled row
+    belongs to (n > 1 forks expanded: ``forks`` holds their children)."""
+
+    job: SampleJob = field(default_factory=lambda: SampleJob([], []))
+    seqs: list[Sequence] = field(default_factory=list)
+    forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
 
 
 class LLMEngine(EngineCore):
@@ -177,70 +223,49 @@ class LLMEngine(EngineCore):
         return outputs
 
     def _run(self, batch: ScheduledBatch, touched: dict[str, Request]) -> None:
-        rows: list[int] = []  # flat token index of each logits row
-        samplers: list[Sequence] = []  # the sequences sampling after this step
-        sample_at: list[int] = []  # their rows
-        prompt_lp: list[tuple[Sequence, int, int, int]] = []  # seq, first row, first position, count
-        spec_at: list[tuple[Sequence, int, int]] = []  # seq with proposals, its batch index, first row
-        offset = 0
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            c = seq.num_computed
-            if seq.request.prompt_logprobs is not None and seq.index == 0 and c < seq.num_prompt_tokens - 1:
-                count = min(c + n, seq.num_prompt_tokens - 1) - c
-                prompt_lp.append((seq, len(rows), c, count))
-                rows.extend(range(offset, offset + count))
-            if seq.spec_tokens:  # a decode scoring k proposals: the rows of all 1 + k positions
-                spec_at.append((seq, i, len(rows)))
-                rows.extend(range(offset, offset + n))
-            elif c + n == seq.num_tokens:
-                samplers.append(seq)
-                sample_at.append(len(rows))
-                rows.append(offset + n - 1)
-            offset += n
-
-        # n > 1: a prompt finished prefill once; its n samples fork from it
-        # here (the children exist before the forward, so the job samples
-        # them; they take pages only once the parent's are computed)
-        forks: list[tuple[Sequence, list[Sequence]]] = []
-        expanded: list[Sequence] = []
-        src_rows: list[int] = []
-        for i, seq in enumerate(samplers):
-            family = [seq]
-            if seq.pending_fork:
-                seq.pending_fork = False
-                family += self._fork_children(seq)
-                forks.append((seq, family[1:]))
-            expanded += family
-            src_rows += [i] * len(family)
-        job = SampleJob(
-            rows=[self._sample_row(seq) for seq in expanded],
-            at=[sample_at[r] for r in src_rows],
-            prompt=[(first, seq.token_ids[pos + 1 : pos + 1 + count], seq.params.prompt_logprobs or 0) for seq, first, pos, count in prompt_lp],
-        )
-
+        plan = step_rows(batch)
+        sampling = self._sampling(plan)
         if isinstance(self.runner, SamplesOnItsRank):  # a dp group's: only ids and logprobs come back
-            if spec_at:
+            if plan.spec_at:
                 raise RuntimeError("speculative verification needs the logits on this rank")
-            result = self.runner.execute_sampled(batch, rows, job)
+            result = self.runner.execute_sampled(batch, plan.rows, sampling.job)
         else:
-            logits = self.runner.execute(batch, rows)
-            result = job.run(logits, self.sampler)
-            if spec_at:
-                for seq, v in self._verify(batch, spec_at, logits):
+            logits = self.runner.execute(batch, plan.rows)
+            result = sampling.job.run(logits, self.sampler)
+            if plan.spec_at:
+                for seq, v in self._verify(batch, plan.spec_at, logits):
                     touched[seq.request.request_id] = seq.request
                     self._append_verified(seq, v)
         self.scheduler.mark_computed(batch)
 
-        for (seq, _, _, _), entries in zip(prompt_lp, result.prompt_logprobs):
+        for (seq, _, _, _), entries in zip(plan.prompt_lp, result.prompt_logprobs):
             seq.request.prompt_logprobs.extend(entries)
-        for parent, children in forks:
+        for parent, children in sampling.forks:
             self._place_children(parent, children)
         if self.spec is not None and self.spec.wants_hidden:
-            for seq, r in zip(expanded, src_rows):
-                self.spec.hidden[seq.seq_id] = self._target_hidden(sample_at[r])
-        for seq, token, lp in zip(expanded, result.tokens, result.logprobs):
+            for seq, row in zip(sampling.seqs, sampling.job.at):
+                self.spec.hidden[seq.seq_id] = self._target_hidden(row)
+        for seq, token, lp in zip(sampling.seqs, result.tokens, result.logprobs):
             touched[seq.request.request_id] = seq.request
             self._append_token(seq, token, lp)
+
+    def _sampling(self, plan: StepRows) -> StepSampling:
+        """The step's SampleJob. n > 1: a prompt finished prefill once; its n
+        samples fork from it here (the children exist before the forward, so
+        the job samples them; they take pages once the parent's are computed)."""
+        out = StepSampling()
+        at: list[int] = []
+        for seq, row in zip(plan.samplers, plan.sample_at):
+            family = [seq]
+            if seq.pending_fork:
+                seq.pending_fork = False
+                family += self._fork_children(seq)
+                out.forks.append((seq, family[1:]))
+            out.seqs += family
+            at += [row] * len(family)
+        prompt = [(first, seq.token_ids[pos + 1 : pos + 1 + count], seq.params.prompt_logprobs or 0) for seq, first, pos, count in plan.prompt_lp]
+        out.job = SampleJob(rows=[self._sample_row(seq) for seq in out.seqs], at=at, prompt=prompt)
+        return out
 
     def _sample_row(self, seq: Sequence, extra: Seq[int] = (), grammar: Any = None) -> SampleRow:
         """``extra``: speculative proposals taken as already generated, with
@@ -248,7 +273,7 @@ class LLMEngine(EngineCore):
         p = seq.params
         banned: Seq[int] = ()
         if seq.num_output_tokens + len(extra) < p.min_tokens:
-            banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+            banned = [*(p.stop_token_ids or ()), *(() if p.ignore_eos else self.eos_token_ids)]
         return SampleRow(
             params=p,
             prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else (),
