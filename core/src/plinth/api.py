@@ -3,6 +3,7 @@ contract, ``plinth.contract``, is re-exported) and ``plinth.testing``'s
 public names, never from core internals; anything not listed here may change
 without notice."""
 
+from plinth.checkpoint import CheckpointLoader
 from plinth.contract import (
     BASE_OPS,
     FUSED_OPS,
@@ -116,6 +117,7 @@ __all__ = [
     "BackendCapabilities",
     "BackendDescriptor",
     "CausalLM",
+    "CheckpointLoader",
     "ConfigError",
     "AllocateKVCacheOp",
     "AttentionOp",

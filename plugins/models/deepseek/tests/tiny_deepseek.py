@@ -1,6 +1,7 @@
 """Tiny random DeepSeek-V3 models built with transformers (float32, 2 dense
 then 2 MoE layers, 8 routed experts in n_group 4 / topk_group 2, a shared
-expert, yarn rope with mscale), saved as safetensors, and their references."""
+expert, yarn rope with mscale), saved as safetensors (``plinth.testing``'s
+``save_random_model``), and their references."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 import os
 
 import torch
+from plinth.testing import random_prompts, save_random_model
+from plinth.testing import reference_greedy as greedy
+from plinth.testing import reference_model as reference  # noqa: F401 (the tests' name for it)
 
 VOCAB = 320
 PROMPT_LENS = [3, 17, 40, 64, 101]
@@ -30,26 +34,18 @@ def tiny_config(name: str):
     )
 
 
+def _router_bias(model) -> None:
+    for n, b in model.named_buffers():
+        if n.endswith("e_score_correction_bias"):  # a bias that changes which experts win
+            b.copy_(torch.randn_like(b) * 0.1)
+
+
 @functools.cache
 def saved_model(name: str, root: str) -> str:
-    from transformers import AutoModelForCausalLM
-
     path = os.path.join(root, name)
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    torch.manual_seed(sum(map(ord, name)))
-    model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32)
-    with torch.no_grad():  # larger than the default init: logits far from flat, no greedy near-ties
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-            else:
-                p.add_(torch.randn_like(p) * 0.05)
-        for n, b in model.named_buffers():
-            if n.endswith("e_score_correction_bias"):  # a bias that changes which experts win
-                b.copy_(torch.randn_like(b) * 0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        save_random_model(tiny_config(name), path, seed=sum(map(ord, name)), adjust=_router_bias)
+        write_tokenizer(path)
     return path
 
 
@@ -70,24 +66,9 @@ def write_tokenizer(path: str) -> None:
 
 
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-@functools.cache
-def reference(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return random_prompts(VOCAB, PROMPT_LENS)
 
 
 @functools.cache
 def reference_greedy(path: str, new_tokens: int) -> list[list[int]]:
-    model = reference(path)
-    out = []
-    with torch.no_grad():
-        for prompt in prompts():
-            ids = torch.tensor([prompt])
-            ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(prompt) :].tolist())
-    return out
+    return greedy(path, prompts(), new_tokens)

@@ -3,24 +3,20 @@ a Hugging Face folder of safetensors (sharded or not)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import re
 from typing import Any, Sequence
 
 import torch
 from plinth.api import (
     BASE_OPS,
+    CheckpointLoader,
     ConfigError,
     LoadContext,
     ModelConfig,
-    ModelLoader,
     ModelSource,
-    Tokenizer,
     iter_safetensors,
-    load_hf_config,
 )
 
 from plinth_plugin_deepseek.model import DeepseekArch, DeepseekLayer, DeepseekRouter, DeepseekV3ForCausalLM
@@ -69,12 +65,6 @@ def _map_name(name: str) -> tuple[int | None, str] | None:
     if e:
         return int(m.group(1)), f"expert.{int(e.group(1))}.{e.group(2).removesuffix('_proj')}"
     return None
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 # ---- rope: transformers' modeling_rope_utils (default, yarn), operation for operation in float32 ----
@@ -190,41 +180,16 @@ def _dequantized(tensors: Any, block: tuple[int, int] | None) -> Any:
         raise ConfigError(f"FP8 weights without a weight_scale_inv: {sorted(waiting)[:3]}")
 
 
-class DeepseekLoader(ModelLoader):
-    """Builds DeepseekV3ForCausalLM."""
-
-    def __init__(self) -> None:
-        self._tokenizers: dict[str, Tokenizer] = {}
-
-    @staticmethod
-    def hf_config(source: ModelSource) -> dict[str, Any]:
-        if source.format != "hf":
-            raise ConfigError("the deepseek plugin loads Hugging Face folders of safetensors, not GGUF")
-        return dict(source.hf_config or load_hf_config(source.path))
-
-    def load_tokenizer(self, source: ModelSource) -> Tokenizer:
-        if source.path not in self._tokenizers:
-            self._tokenizers[source.path] = Tokenizer.from_hf_dir(source.path)
-        return self._tokenizers[source.path]
+class DeepseekLoader(CheckpointLoader):
+    """Builds DeepseekV3ForCausalLM (Hugging Face folders; config, tokenizer
+    and special tokens as every loader reads them: ``CheckpointLoader``)."""
 
     def load_config(self, source: ModelSource) -> ModelConfig:
         cfg = self.hf_config(source)
         arch = DeepseekArch.from_hf(cfg)
-        eos, bos = _ids(cfg.get("eos_token_id")), cfg.get("bos_token_id")
-        gen_path = os.path.join(source.path, "generation_config.json")
-        if os.path.exists(gen_path):
-            with open(gen_path) as f:
-                gen = json.load(f)
-            eos += _ids(gen.get("eos_token_id"))
-            bos = bos if bos is not None else gen.get("bos_token_id")
-        try:
-            tokenizer = self.load_tokenizer(source)
-            eos += tokenizer.eos_token_ids
-            bos = bos if bos is not None else tokenizer.bos_token_id
-        except ConfigError as exc:
-            log.warning("no tokenizer for %s: %s", source.path, exc)
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-        return ModelConfig(
+        return self.model_config(
+            source,
+            cfg,
             architecture="DeepseekV3ForCausalLM",
             vocab_size=arch.vocab_size,
             hidden_size=arch.hidden_size,
@@ -235,11 +200,7 @@ class DeepseekLoader(ModelLoader):
             head_dim=arch.kv_lora_rank + arch.qk_rope_head_dim,
             v_head_dim=0,
             max_model_len=arch.max_position_embeddings,
-            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)),
-            bos_token_id=None if bos is None else int(bos),
-            dtype=dtype.removeprefix("torch."),
             num_experts=arch.n_routed_experts,
-            raw=cfg,
         )
 
     def required_ops(self, config: ModelConfig) -> Sequence[str]:
