@@ -6,7 +6,8 @@ decoding (ngram and a draft model).
 
 On the default path users get (SmolLM2-135M GGUF, bfloat16, the default
 backend) and on a bfloat16 Hugging Face folder of SmolLM2's shape (random
-weights: 576 hidden, 9 query / 3 KV heads, 1536 intermediate). Each model's
+weights: 576 hidden, 9 query / 3 KV heads, 1536 intermediate), the latter
+also on the torch reference backend alone. Each model's
 reference is each target prompt generated alone, on a fresh engine with
 pages of 16 and a 256-token step budget."""
 
@@ -144,7 +145,11 @@ KERNELS_MISSING = pytest.mark.xfail(
 
 @pytest.fixture(
     scope="module",
-    params=[pytest.param("smollm2-gguf", marks=[pytest.mark.slow, KERNELS_MISSING]), pytest.param("bf16-folder", marks=KERNELS_MISSING)],
+    params=[
+        pytest.param("smollm2-gguf", marks=[pytest.mark.slow, KERNELS_MISSING]),
+        pytest.param("bf16-folder", marks=KERNELS_MISSING),
+        "bf16-folder-torch",  # the reference backend: the engine's side (sampler, scheduler, verification) on its own
+    ],
 )
 def model(request, tiny_root) -> dict[str, Any]:
     """The model, its targets and others, the draft model, and the reference
@@ -156,8 +161,9 @@ def model(request, tiny_root) -> dict[str, Any]:
         path, vocab, low = None, 49152, 200
     else:
         path, vocab, low = smol_shaped_bf16_folder(tiny_root), VOCAB, 0
+    engine = dict(BASE, backend="torch" if request.param.endswith("-torch") else "auto")
     targets, others = workload(vocab, low)
-    llm = LLM(path, deterministic=True, page_size=16, max_num_batched_tokens=256, enable_prefix_caching=False, **BASE)
+    llm = LLM(path, deterministic=True, page_size=16, max_num_batched_tokens=256, enable_prefix_caching=False, **engine)
     assert llm.engine.describe()["deterministic"] is True
     alone = [run(llm, [t]) for t in targets]
     rec = alone[0][1]
@@ -172,7 +178,9 @@ def model(request, tiny_root) -> dict[str, Any]:
         from tiny_models import tiny_model_dir
 
         draft = tiny_model_dir("llama", tiny_root)
-    yield dict(name=request.param, path=path, targets=targets, others=others, reference=reference, llm=llm, draft=draft)
+    yield dict(
+        name=request.param, path=path, targets=targets, others=others, reference=reference, llm=llm, draft=draft, engine=engine
+    )
     llm.close()
 
 
@@ -188,7 +196,7 @@ def test_pages_of_7_chunked_prefill_and_a_prefix_cache_hit_change_nothing(model)
     """Pages of 7 and a 32-token step budget (the long prompts prefilled in
     chunks beside running decodes), cold; then the same again, each target's
     prompt pages now in the prefix cache."""
-    with LLM(model["path"], deterministic=True, page_size=7, max_num_batched_tokens=32, **BASE) as llm:
+    with LLM(model["path"], deterministic=True, page_size=7, max_num_batched_tokens=32, **model["engine"]) as llm:
         cold = run(llm, model["targets"], model["others"])
         assert_same(model["reference"], cold, model["targets"], f"{model['name']}: pages of 7, 32-token steps")
         before = llm.engine.stats()["prefix_cache_local_hit_tokens"]
@@ -204,7 +212,7 @@ def test_speculative_decoding_equals_plain_decoding(model, method):
     extra = {"speculative_model": model["draft"]} if method == "draft" else {"plugin_options": {"ngram_min_n": 1}}
     with LLM(
         model["path"], deterministic=True, page_size=16, max_num_batched_tokens=256, speculative_method=method,
-        num_speculative_tokens=4, **extra, **BASE,
+        num_speculative_tokens=4, **extra, **model["engine"],
     ) as llm:  # fmt: skip
         llm.engine.spec.cost_model = None  # type: ignore[attr-defined]  # every proposal scored, whatever this machine's timing
         got = run(llm, model["targets"], model["others"])
