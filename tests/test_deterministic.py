@@ -134,21 +134,11 @@ def smol_shaped_bf16_folder(root: str) -> str:
     return path
 
 
-#: what is missing on main for these to pass (remove the marks when it lands: strict, so they fail once they pass)
-KERNELS_MISSING = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # only a comparison failing: a load or build error (a timeout) still fails the test
-    reason="the default backend's linears are not batch-invariant yet (cpukernels' GGUF integer kernels and oneDNN / "
-    "small-M bf16 GEMMs: issue 24's det-linear part for cpukernels is not on main; the torch reference's and the "
-    "attention kernels are)",
-)
-
-
 @pytest.fixture(
     scope="module",
     params=[
-        pytest.param("smollm2-gguf", marks=[pytest.mark.slow, KERNELS_MISSING]),
-        pytest.param("bf16-folder", marks=KERNELS_MISSING),
+        pytest.param("smollm2-gguf", marks=pytest.mark.slow),
+        "bf16-folder",
         "bf16-folder-torch",  # the reference backend: the engine's side (sampler, scheduler, verification) on its own
     ],
 )
