@@ -180,6 +180,9 @@ def test_failing_store_never_holds_requests_beyond_the_deadline(mode):
     # a raising store is already found down by the start-up probe (unreachable: no lookup is tried)
     kinds = ("timeout",) if mode == "stall" else ("error", "unreachable")
     assert sum(s["kv_connector_failures"].get(k, 0) for k in kinds) >= 1, s["kv_connector_failures"]
+    if mode == "stall":  # each admission waited on the store about the deadline, never much more
+        waits = s["kv_connector_wait_latency"]
+        assert waits["count"] == 4 and waits["cumulative"][waits["buckets"].index(1.0)] == 4, waits
     # open, or half_open while a probe (a save after breaker_reset_s on a slow
     # machine) waits on the stalled store; never closed: no call answers in time
     assert s["kv_connector_breaker_opened"] >= 1 and not s["kv_connector_healthy"]

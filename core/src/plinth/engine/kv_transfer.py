@@ -243,6 +243,9 @@ class KVTransfer:
         self.failures: dict[str, int] = {}
         self.load_latency = Histogram()
         self.save_latency = Histogram()
+        #: how long each request's admission waited on the store (answered, failed or timed out):
+        #: the rule "a dead store costs at most the deadline", measured where it holds
+        self.wait_latency = Histogram()
         self._health_reason = ""
         # probe the store at once (a store down at start-up shows as degraded
         # health, not as a healthy server whose first requests time out), and
@@ -312,9 +315,11 @@ class KVTransfer:
             if now < job.deadline:
                 return None
             del self._fetches[seq.seq_id]
+            self.wait_latency.observe(now - job.started)
             self._fail("timeout")
             return self._degraded(seq, "the store did not answer within the deadline", None)
         del self._fetches[seq.seq_id]
+        self.wait_latency.observe(now - job.started)
         try:
             res: FetchResult = job.future.result()
         except Exception as exc:
@@ -570,6 +575,7 @@ class KVTransfer:
                 "kv_connector_health": why,
                 "kv_connector_load_latency": self.load_latency.snapshot(),
                 "kv_connector_save_latency": self.save_latency.snapshot(),
+                "kv_connector_wait_latency": self.wait_latency.snapshot(),
             }
 
     def close(self, timeout: float | None = None) -> bool:
