@@ -78,9 +78,10 @@ class CPUKernelsBackend(Backend):
         why = bf16_gemm_missing(isa)
         return {"pack_linear": why, "linear": why} if why else {}
 
-    def capabilities(self) -> BackendCapabilities:
-        isa = accelerator_isa(self.ctx)
-        if isa is None or "linear" in self.unsupported_ops(self.ctx):
+    @classmethod
+    def capabilities(cls, ctx: SelectionContext) -> BackendCapabilities:
+        isa = accelerator_isa(ctx)
+        if isa is None or "linear" in cls.unsupported_ops(ctx):
             return BackendCapabilities()
         return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=f"integer dot products on the blocks, {gguf_kernel_path(isa)}")
 
