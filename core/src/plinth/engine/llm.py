@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 from plinth.engine.config import AUTO, EngineConfig
 from plinth.engine.factory import build_engine
@@ -123,14 +123,16 @@ class LLM:
         model's tokenizer (BOS added as the model expects); lists of ints are
         used as they are."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt
+            batch: list[Prompt] = [cast(Prompt, prompts)]  # one prompt
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
         params = params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(plist) != len(batch):
             raise ValueError("give one SamplingParams, or one per prompt")
         tok = self.engine.tokenizer
         ids = []
-        for prompt, p in zip(prompts, plist):
+        for prompt, p in zip(batch, plist):
             rid = f"offline-{next(self._ids)}"
             if isinstance(prompt, str):
                 self.engine.add_request(rid, tok.encode(prompt), p, prompt=prompt)
