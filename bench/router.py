@@ -210,6 +210,7 @@ def main() -> int:
     ap.add_argument("--num-pages", type=int, default=None, help="the replicas' --num-pages (overrides --kv-fraction)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops its servers (the finally below)
 
     tmp = tempfile.mkdtemp(prefix="plinth-router-bench-")
     ncpu = os.cpu_count() or 1

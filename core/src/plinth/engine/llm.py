@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Mapping, Sequence, cast
 
-from plinth.engine.config import AUTO, EngineConfig
+from plinth.engine.config import AUTO, DEFAULT_DETERMINISTIC, EngineConfig
 from plinth.engine.factory import build_engine
 from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore
 from plinth.engine.outputs import RequestOutput
@@ -23,6 +23,8 @@ class LLM:
     times the model at start-up to choose the step's token budget
     (``self.engine.components.step_plan``); an integer skips that.
     ``LLM`` is a context manager: leaving it calls ``close()``.
+    ``deterministic=True``: batch-invariant ops, so each prompt's tokens do
+    not depend on what else runs with it (docs/serving.md).
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class LLM:
         speculative_method: str | None = None,
         num_speculative_tokens: int | None = None,
         speculative_model: str | None = None,
+        deterministic: bool = DEFAULT_DETERMINISTIC,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -93,6 +96,7 @@ class LLM:
             speculative_method=speculative_method,
             num_speculative_tokens=num_speculative_tokens,
             speculative_model=speculative_model,
+            deterministic=deterministic,
         )
         #: the ``EngineCore`` (``LLMEngine``, or ``DistributedEngine`` with more than one rank)
         self.engine: EngineCore = build_engine(self.config, registry)

@@ -78,6 +78,7 @@ class Components:
             "num_pages": self.num_pages,
             "page_size": self.config.page_size,
             "max_num_seqs": self.config.max_num_seqs,
+            "deterministic": self.config.deterministic,  # benchmarks record which mode a figure came from
             **({"step_plan": self.step_plan.describe()} if self.step_plan is not None else {}),
         }
 
@@ -399,7 +400,10 @@ def check_a2a(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
     chosen, which every rank builds (``build_a2a``)."""
     if config.ep == 1:
         return config
-    ctx = SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=planned_layout(config, registry))
+    ctx = SelectionContext(
+        tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=planned_layout(config, registry),
+        deterministic=config.deterministic,
+    )  # fmt: skip
     entry = registry.select("a2a", config.a2a, ctx)
     log.info("a2a: %s for %s", entry.label(), ctx.layout)
     return dataclasses.replace(config, a2a=entry.name)
@@ -443,7 +447,9 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
     dtype = resolve_dtype(config.dtype, accelerator)
 
     source = locate_model(config.model, registry)
-    ctx = SelectionContext(accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep)
+    ctx = SelectionContext(
+        accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep, deterministic=config.deterministic
+    )
     loader_entry = choose_model_loader(registry, source, ctx)
     loader = loader_entry.load()()
     model_cfg = loader.load_config(source)
@@ -454,6 +460,12 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
     ctx.model = model_cfg
     backend_entry = registry.select("backend", config.backend, ctx, prefer=accelerator.info().preferred_backends)
     ops, op_sources = resolve_ops(registry, backend_entry, ctx)
+    if first:  # what the mode holds this run to (the backends log each op they decline for it)
+        log.info(
+            "deterministic mode: %s (%s)", "on" if config.deterministic else "off",
+            "batch-invariant ops: tokens and logits do not depend on batch, chunking, page size, prefix cache, speculation"
+            if config.deterministic else "a request's tokens may depend on what runs beside it; --deterministic fixes them",
+        )  # fmt: skip
     tried = [backend_entry.name] + [n for n in reference_backends(registry) if n != backend_entry.name]
     check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
     parallel: dict[str, Any] = {}
