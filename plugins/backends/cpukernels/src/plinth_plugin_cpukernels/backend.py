@@ -119,6 +119,8 @@ class CPUKernelsBackend(Backend):
                 return packed if type(packed) is PackedLinear else None
 
             gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype, invariant=invariant)
+            # deterministic mode: a GGUF weight with a dense copy streams it for every batch (quant.py)
+            dense_rows = 0 if invariant else GEMM_MIN_ROWS
 
             def pack(weight: Any) -> Any:
                 if isinstance(weight, QuantizedWeight) and format_name(weight.format):
@@ -128,7 +130,7 @@ class CPUKernelsBackend(Backend):
 
             def linear(x: Any, weight: Any, bias: Any = None) -> Any:
                 if type(weight) is GGUFLinear:
-                    if weight.dense is not None and x.numel() >= GEMM_MIN_ROWS * weight.in_features:
+                    if weight.dense is not None and x.numel() >= dense_rows * weight.in_features:
                         return dense_linear(x, weight.dense, bias)
                     return gguf.linear(x, weight, bias)
                 return dense_linear(x, weight, bias)
