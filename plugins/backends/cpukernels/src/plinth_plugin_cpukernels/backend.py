@@ -103,7 +103,10 @@ class CPUKernelsBackend(Backend):
             ref_linear = self.reference.get("linear", F.linear)
 
             bf16_gemm = bf16_gemm_missing(isa) is None
-            small = SmallGemm(isa)  # decode batches: the streaming kernel (gemm.py)
+            # decode batches: the streaming kernel (gemm.py); deterministic mode: every batch,
+            # and GGUF weights always through the integer kernel in one order per row (quant.py)
+            invariant = self.ctx.deterministic
+            small = SmallGemm(isa, invariant=invariant)
             dense_linear = make_linear(ref_linear, small)
             # large batches on GGUF weights: a dequantized copy in the compute dtype, packed like any
             # dense weight (the streaming copy too: 12-16 rows run 1.5x faster there than in oneDNN)
@@ -114,7 +117,7 @@ class CPUKernelsBackend(Backend):
                 packed = pack_linear(w, bf16=bf16_gemm, small=small)
                 return packed if type(packed) is PackedLinear else None
 
-            gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype)
+            gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype, invariant=invariant)
 
             def pack(weight: Any) -> Any:
                 if isinstance(weight, QuantizedWeight) and format_name(weight.format):
