@@ -54,7 +54,7 @@ def cmd_kv(args: argparse.Namespace) -> int:
     from plinth_plugin_gemma.loader import GemmaLoader
 
     source: ModelSource = locate_model(args.model)
-    cfg = GemmaLoader.hf_config(source)
+    cfg = GemmaLoader().hf_config(source)
     arch = arch_from_hf(cfg)
     dtype_bytes = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     out = {

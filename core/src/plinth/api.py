@@ -3,6 +3,7 @@ contract, ``plinth.contract``, is re-exported) and ``plinth.testing``'s
 public names, never from core internals; anything not listed here may change
 without notice."""
 
+from plinth.checkpoint import CheckpointLoader
 from plinth.contract import (
     BASE_OPS,
     FUSED_OPS,
@@ -66,6 +67,7 @@ from plinth.contract import (
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
+from plinth.moe import routed_experts, tp_token_slice
 from plinth.parsing import (
     INVALID,
     JsonCallView,
@@ -116,6 +118,7 @@ __all__ = [
     "BackendCapabilities",
     "BackendDescriptor",
     "CausalLM",
+    "CheckpointLoader",
     "ConfigError",
     "AllocateKVCacheOp",
     "AttentionOp",
@@ -132,6 +135,8 @@ __all__ = [
     "SiluAndMulOp",
     "DispatchedTokens",
     "expert_ranges",
+    "routed_experts",
+    "tp_token_slice",
     "DraftRunner",
     "GGUFFile",
     "FullAttentionSpec",

@@ -43,7 +43,10 @@ table start-up builds for a backend), ``attention_metadata`` (a step's
 metadata for given sequences and pages), ``kv_test_layout``,
 ``kv_value_bytes`` and ``kv_key`` (a KV connector's layout, stored value size
 and store keys),
-``bundled_model_path`` (the bundled default GGUF, or None), ``run_ranks``
+``bundled_model_path`` (the bundled default GGUF, or None),
+``save_random_model`` / ``random_prompts`` / ``reference_model`` /
+``reference_greedy`` (a tiny random transformers checkpoint and
+transformers' float32 answers on it), ``run_ranks``
 (a function on N real processes), ``IsolatedEnv`` (a fresh virtual
 environment for install tests), ``discover_all`` (the real discovery,
 ignoring the shell's allow/block lists), ``Report`` (collect problems, raise
@@ -83,6 +86,7 @@ from plinth.testing.registration import (
     check_registration,
     discover_all,
 )
+from plinth.testing.tiny import random_prompts, reference_greedy, reference_model, save_random_model
 
 #: category -> its check function ``(name, ...) -> Report``
 CATEGORY_CHECKS: dict[str, Callable[..., Report]] = {
@@ -143,6 +147,10 @@ __all__ = [
     "kv_test_layout",
     "kv_value_bytes",
     "op_table",
+    "random_prompts",
+    "reference_greedy",
+    "reference_model",
     "resolve_op_table",
     "run_ranks",
+    "save_random_model",
 ]

@@ -1,12 +1,15 @@
 """Tiny random mixture-of-experts models built with transformers (float32),
-saved as safetensors with per-expert weights, and greedy references."""
+saved as safetensors with per-expert weights (``plinth.testing``'s
+``save_random_model``), and greedy references."""
 
 from __future__ import annotations
 
 import functools
 import os
 
-import torch
+from plinth.testing import random_prompts, save_random_model
+from plinth.testing import reference_greedy as greedy
+from plinth.testing import reference_model as reference  # noqa: F401 (the tests' name for it)
 
 VOCAB = 256
 PROMPT_LENS = [3, 17, 40, 64, 101]
@@ -42,42 +45,13 @@ def tiny_config(name: str):
 
 @functools.cache
 def saved_model(name: str, root: str) -> str:
-    from transformers import AutoModelForCausalLM
-
-    path = os.path.join(root, name)
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    torch.manual_seed(sum(map(ord, name)))
-    model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32)
-    with torch.no_grad():  # larger than the default init: logits far from flat, no greedy near-ties
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-            else:
-                p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_random_model(tiny_config(name), os.path.join(root, name), seed=sum(map(ord, name)))
 
 
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-@functools.cache
-def reference(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return random_prompts(VOCAB, PROMPT_LENS)
 
 
 @functools.cache
 def reference_greedy(path: str, new_tokens: int) -> list[list[int]]:
-    model = reference(path)
-    out = []
-    with torch.no_grad():
-        for prompt in prompts():
-            ids = torch.tensor([prompt])
-            ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(prompt) :].tolist())
-    return out
+    return greedy(path, prompts(), new_tokens)

@@ -3,24 +3,21 @@ a Hugging Face folder of safetensors (sharded or not)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import re
 from typing import Any, Sequence
 
 import torch
 from plinth.api import (
     BASE_OPS,
+    CheckpointLoader,
     ConfigError,
     LoadContext,
     ModelConfig,
-    ModelLoader,
     ModelSource,
-    Tokenizer,
+    expert_ranges,
     iter_safetensors,
-    load_hf_config,
 )
 
 from plinth_plugin_deepseek.model import DeepseekArch, DeepseekLayer, DeepseekRouter, DeepseekV3ForCausalLM
@@ -69,12 +66,6 @@ def _map_name(name: str) -> tuple[int | None, str] | None:
     if e:
         return int(m.group(1)), f"expert.{int(e.group(1))}.{e.group(2).removesuffix('_proj')}"
     return None
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 # ---- rope: transformers' modeling_rope_utils (default, yarn), operation for operation in float32 ----
@@ -190,41 +181,16 @@ def _dequantized(tensors: Any, block: tuple[int, int] | None) -> Any:
         raise ConfigError(f"FP8 weights without a weight_scale_inv: {sorted(waiting)[:3]}")
 
 
-class DeepseekLoader(ModelLoader):
-    """Builds DeepseekV3ForCausalLM."""
-
-    def __init__(self) -> None:
-        self._tokenizers: dict[str, Tokenizer] = {}
-
-    @staticmethod
-    def hf_config(source: ModelSource) -> dict[str, Any]:
-        if source.format != "hf":
-            raise ConfigError("the deepseek plugin loads Hugging Face folders of safetensors, not GGUF")
-        return dict(source.hf_config or load_hf_config(source.path))
-
-    def load_tokenizer(self, source: ModelSource) -> Tokenizer:
-        if source.path not in self._tokenizers:
-            self._tokenizers[source.path] = Tokenizer.from_hf_dir(source.path)
-        return self._tokenizers[source.path]
+class DeepseekLoader(CheckpointLoader):
+    """Builds DeepseekV3ForCausalLM (Hugging Face folders; config, tokenizer
+    and special tokens as every loader reads them: ``CheckpointLoader``)."""
 
     def load_config(self, source: ModelSource) -> ModelConfig:
         cfg = self.hf_config(source)
         arch = DeepseekArch.from_hf(cfg)
-        eos, bos = _ids(cfg.get("eos_token_id")), cfg.get("bos_token_id")
-        gen_path = os.path.join(source.path, "generation_config.json")
-        if os.path.exists(gen_path):
-            with open(gen_path) as f:
-                gen = json.load(f)
-            eos += _ids(gen.get("eos_token_id"))
-            bos = bos if bos is not None else gen.get("bos_token_id")
-        try:
-            tokenizer = self.load_tokenizer(source)
-            eos += tokenizer.eos_token_ids
-            bos = bos if bos is not None else tokenizer.bos_token_id
-        except ConfigError as exc:
-            log.warning("no tokenizer for %s: %s", source.path, exc)
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-        return ModelConfig(
+        return self.model_config(
+            source,
+            cfg,
             architecture="DeepseekV3ForCausalLM",
             vocab_size=arch.vocab_size,
             hidden_size=arch.hidden_size,
@@ -235,11 +201,7 @@ class DeepseekLoader(ModelLoader):
             head_dim=arch.kv_lora_rank + arch.qk_rope_head_dim,
             v_head_dim=0,
             max_model_len=arch.max_position_embeddings,
-            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)),
-            bos_token_id=None if bos is None else int(bos),
-            dtype=dtype.removeprefix("torch."),
             num_experts=arch.n_routed_experts,
-            raw=cfg,
         )
 
     def required_ops(self, config: ModelConfig) -> Sequence[str]:
@@ -249,12 +211,13 @@ class DeepseekLoader(ModelLoader):
 
     def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> DeepseekV3ForCausalLM:
         cfg = dict(config.raw) if config.raw else self.hf_config(source)
-        if ctx.ep_size > 1:
-            raise ConfigError("the deepseek plugin runs at ep = 1 for now (experts over ep are not in yet; tp splits them)")
+        if ctx.ep_size > 1 and cfg.get("n_routed_experts") and ctx.a2a is None:
+            raise ConfigError("ep > 1 needs an a2a plugin (--a2a) to move tokens between the ranks' experts")
         if cfg["num_attention_heads"] % ctx.tp_size:
             raise ConfigError(f"tp={ctx.tp_size} does not divide the {cfg['num_attention_heads']} attention heads")
         block = fp8_block_size(cfg)
         arch = DeepseekArch.from_hf(cfg)
+        mine = local_experts(arch, ctx)
         top: dict[str, torch.Tensor] = {}
         per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(arch.num_layers)]
         for name, tensor in _dequantized(iter_safetensors(source.path, dtype=None, progress=ctx.progress), block):
@@ -263,11 +226,18 @@ class DeepseekLoader(ModelLoader):
                 log.debug("ignoring checkpoint tensor %s", name)
                 continue
             layer, key = where
+            if key.startswith("expert.") and int(key.split(".")[1]) not in mine:
+                continue  # another ep rank's expert: never kept
             if layer is None:
                 top[key] = tensor
             elif layer < arch.num_layers:  # DeepSeek-V3's multi-token-prediction layer (61) is not used
                 per_layer[layer][key] = tensor
         return build_model(arch, top, per_layer, ctx)
+
+
+def local_experts(arch: DeepseekArch, ctx: LoadContext) -> range:
+    """The routed experts this ep rank keeps (all of them at ep = 1)."""
+    return expert_ranges(arch.n_routed_experts, ctx.ep_size)[ctx.ep_rank]
 
 
 def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: list[dict[str, torch.Tensor]], ctx: LoadContext) -> DeepseekV3ForCausalLM:
@@ -317,7 +287,7 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
         layer.w_uk, layer.w_uv = w_uk.contiguous(), w_uv.contiguous()  # [heads, dn, L], [heads, dv, L]
         layer.o_proj = linear(need(d, "o_proj", where)[:, mine.start * dv : mine.stop * dv])
         if arch.is_moe(i):
-            _build_moe(arch, layer, d, where, put, need, linear, split)
+            _build_moe(arch, layer, d, where, put, need, linear, split, local_experts(arch, ctx), whole=ctx.ep_size > 1)
         else:
             cut = split(arch.intermediate_size)
             layer.gate_up = linear(torch.cat((need(d, "gate", where)[cut], need(d, "up", where)[cut])))
@@ -342,18 +312,23 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
         layers=layers,
         num_heads=heads,
         tp_group=ctx.tp_group if tp > 1 else None,
+        tp_rank=tp_rank,
+        tp_size=tp,
+        a2a=ctx.a2a if ctx.ep_size > 1 else None,
     )
 
 
-def _build_moe(arch: DeepseekArch, layer: DeepseekLayer, d: dict[str, torch.Tensor], where: str, put: Any, need: Any, linear: Any, split: Any) -> None:
-    """The router, the experts as w13 [E, 2I', H] / w2 [E, H, I'] for
-    ``fused_moe``, and the shared experts as one dense MLP (I' = I / tp:
-    each expert split over tp like a dense MLP)."""
+def _build_moe(arch: DeepseekArch, layer: DeepseekLayer, d: dict[str, torch.Tensor], where: str, put: Any, need: Any,
+               linear: Any, split: Any, experts: range, *, whole: bool) -> None:
+    """The router, this rank's experts as w13 [E', 2I', H] / w2 [E', H, I']
+    for ``fused_moe``, and the shared experts as one dense MLP. At ep = 1
+    E' = E and I' = I / tp (each expert split over tp like a dense MLP); at
+    ep > 1 the rank's experts are whole (I' = I) and E' its share."""
     inter = arch.moe_intermediate_size
-    cut = split(inter)
+    cut = slice(0, inter) if whole else split(inter)
     fused = d.get("experts_gate_up")
     w13, w2 = [], []
-    for e in range(arch.n_routed_experts):
+    for e in experts:
         if fused is not None:
             gate, up, down = fused[e, :inter], fused[e, inter:], need(d, "experts_down", where)[e]
         else:

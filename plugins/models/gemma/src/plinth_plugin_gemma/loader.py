@@ -7,25 +7,22 @@ dequantized to the compute dtype at load."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import re
 from collections import Counter
 from typing import Any, Iterator
 
 import torch
 from plinth.api import (
+    CheckpointLoader,
     ConfigError,
     GGUFFile,
     LoadContext,
     ModelConfig,
-    ModelLoader,
     ModelSource,
     QuantizedWeight,
     Tokenizer,
     iter_safetensors,
-    load_hf_config,
 )
 
 from plinth_plugin_gemma.arch import GemmaArch, arch_from_hf, hf_config_from_gguf
@@ -84,52 +81,30 @@ def _map_name(name: str, global_map: dict[str, str], layer_map: dict[str, str], 
     return None
 
 
-class GemmaLoader(ModelLoader):
+class GemmaLoader(CheckpointLoader):
     """Builds Gemma3ForCausalLM (and GGUF files of gemma3)."""
 
-    def __init__(self) -> None:
-        self._tokenizers: dict[str, Tokenizer] = {}
+    gguf_config = staticmethod(hf_config_from_gguf)
 
-    @staticmethod
-    def hf_config(source: ModelSource) -> dict[str, Any]:
-        if source.format == "gguf":
-            return hf_config_from_gguf(GGUFFile(source.path))
-        return dict(source.hf_config or load_hf_config(source.path))
-
-    def load_tokenizer(self, source: ModelSource) -> Tokenizer:
-        if source.path not in self._tokenizers:
-            tok = Tokenizer.from_gguf(source.path) if source.format == "gguf" else Tokenizer.from_hf_dir(source.path)
-            if tok.chat_template is None:
-                # base checkpoints (gemma-3-270m's GGUF) carry none: the
-                # instruction-tuned models' turn format, so chat routes work
-                log.info("%s has no chat template: using Gemma 3's turn format", source.path)
-                tok.chat_template = GEMMA3_CHAT_TEMPLATE
-                end_of_turn = tok.token_to_id("<end_of_turn>")
-                if end_of_turn is not None:
-                    tok.eos_token_ids = tuple(dict.fromkeys((*tok.eos_token_ids, end_of_turn)))
-            self._tokenizers[source.path] = tok
-        return self._tokenizers[source.path]
+    def adapt_tokenizer(self, tokenizer: Tokenizer, source: ModelSource) -> Tokenizer:
+        if tokenizer.chat_template is None:
+            # base checkpoints (gemma-3-270m's GGUF) carry none: the
+            # instruction-tuned models' turn format, so chat routes work
+            log.info("%s has no chat template: using Gemma 3's turn format", source.path)
+            tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+            end_of_turn = tokenizer.token_to_id("<end_of_turn>")
+            if end_of_turn is not None:
+                tokenizer.eos_token_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, end_of_turn)))
+        return tokenizer
 
     def load_config(self, source: ModelSource) -> ModelConfig:
         cfg = self.hf_config(source)
         arch = arch_from_hf(cfg)
         if arch.attn_logit_softcapping:
             log.warning("attn_logit_softcapping %s is not applied: Gemma 3 (as transformers runs it) has none", arch.attn_logit_softcapping)
-        eos = _ids(cfg.get("eos_token_id"))
-        bos = cfg.get("bos_token_id")
-        gen_path = os.path.join(source.path, "generation_config.json")
-        if source.format == "hf" and os.path.exists(gen_path):
-            with open(gen_path) as f:
-                gen = json.load(f)
-            eos += _ids(gen.get("eos_token_id"))
-            bos = bos if bos is not None else gen.get("bos_token_id")
-        try:
-            tokenizer = self.load_tokenizer(source)
-            eos += tokenizer.eos_token_ids
-            bos = bos if bos is not None else tokenizer.bos_token_id
-        except ConfigError as exc:
-            log.warning("no tokenizer for %s: %s", source.path, exc)
-        return ModelConfig(
+        return self.model_config(
+            source,
+            cfg,
             architecture="Gemma3ForCausalLM",
             vocab_size=arch.vocab_size,
             hidden_size=arch.hidden_size,
@@ -138,10 +113,6 @@ class GemmaLoader(ModelLoader):
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
             max_model_len=arch.max_position_embeddings,
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-            bos_token_id=None if bos is None else int(bos),
-            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch."),
-            raw=cfg,
         )
 
     def required_ops(self, config: ModelConfig) -> tuple[str, ...]:
@@ -174,12 +145,6 @@ class GemmaLoader(ModelLoader):
             elif layer < arch.num_layers:
                 per_layer[layer][key] = tensor
         return build_model(arch, top, per_layer, ctx)
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 def _gguf_tensors(gguf: GGUFFile, ctx: LoadContext, num_layers: int) -> Iterator[tuple[str, Any]]:

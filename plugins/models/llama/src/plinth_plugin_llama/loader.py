@@ -13,16 +13,14 @@ from typing import Any
 
 import torch
 from plinth.api import (
+    CheckpointLoader,
     ConfigError,
     GGUFFile,
     LoadContext,
     ModelConfig,
-    ModelLoader,
     ModelSource,
     QuantizedWeight,
-    Tokenizer,
     iter_safetensors,
-    load_hf_config,
 )
 
 from plinth_plugin_llama.arch import LlamaArch, arch_from_hf, hf_config_from_gguf
@@ -115,53 +113,19 @@ def unpermute_gguf_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-class LlamaLoader(ModelLoader):
+class LlamaLoader(CheckpointLoader):
     """Builds LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
     MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM and
     Qwen3MoeForCausalLM (and GGUF files of llama, qwen2, qwen3)."""
 
-    def __init__(self) -> None:
-        self._tokenizers: dict[str, Tokenizer] = {}
-
-    # ---- config and tokenizer -------------------------------------------------------
-
-    @staticmethod
-    def hf_config(source: ModelSource) -> dict[str, Any]:
-        if source.format == "gguf":
-            return hf_config_from_gguf(GGUFFile(source.path))
-        return dict(source.hf_config or load_hf_config(source.path))
-
-    def load_tokenizer(self, source: ModelSource) -> Tokenizer:
-        if source.path not in self._tokenizers:
-            if source.format == "gguf":
-                self._tokenizers[source.path] = Tokenizer.from_gguf(source.path)
-            else:
-                self._tokenizers[source.path] = Tokenizer.from_hf_dir(source.path)
-        return self._tokenizers[source.path]
+    gguf_config = staticmethod(hf_config_from_gguf)
 
     def load_config(self, source: ModelSource) -> ModelConfig:
         cfg = self.hf_config(source)
         arch = arch_from_hf(cfg)
-        eos = list(_ids(cfg.get("eos_token_id")))
-        bos = cfg.get("bos_token_id")
-        if source.format == "hf":
-            import json
-            import os
-
-            gen_path = os.path.join(source.path, "generation_config.json")
-            if os.path.exists(gen_path):
-                with open(gen_path) as f:
-                    gen = json.load(f)
-                eos += _ids(gen.get("eos_token_id"))
-                bos = bos if bos is not None else gen.get("bos_token_id")
-        try:
-            tokenizer = self.load_tokenizer(source)
-            eos += tokenizer.eos_token_ids  # the chat format's end-of-turn token too
-            bos = bos if bos is not None else tokenizer.bos_token_id
-        except ConfigError as exc:
-            log.warning("no tokenizer for %s: %s", source.path, exc)
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-        return ModelConfig(
+        return self.model_config(
+            source,
+            cfg,
             architecture=arch.architecture,
             vocab_size=arch.vocab_size,
             hidden_size=arch.hidden_size,
@@ -170,11 +134,7 @@ class LlamaLoader(ModelLoader):
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
             max_model_len=_max_model_len(arch),
-            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)),
-            bos_token_id=None if bos is None else int(bos),
-            dtype=dtype.removeprefix("torch."),
             num_experts=arch.num_experts,
-            raw=cfg,
         )
 
     # ---- weights -----------------------------------------------------------------------
@@ -223,12 +183,6 @@ class LlamaLoader(ModelLoader):
                 per_layer[layer][key] = tensor
         model = build_model(arch, top, per_layer, ctx, par)
         return fp8.finish(model) if source.format != "gguf" and fp8 is not None else model
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 def _max_model_len(arch: LlamaArch) -> int:
