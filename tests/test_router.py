@@ -15,6 +15,7 @@ pytest.importorskip("msgspec")
 import anthropic  # noqa: E402
 import openai  # noqa: E402
 from kv_servers import serve  # noqa: E402
+from plinth.engine.startup import load_tokenizer  # noqa: E402
 from plinth.server.router import PrefixIndex, build_router_app, request_keys  # noqa: E402
 from server_fixtures import ServerThread, wait_for  # noqa: E402
 from tiny_models import tiny_model_dir  # noqa: E402
@@ -28,16 +29,17 @@ PREFIX = " ".join(f"w{i}" for i in range(150))  # ~450 tokens: many 16-token pag
 def fleet(tiny_root, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     model = tiny_model_dir("llama", tiny_root)
-    procs, events = [], []
+    procs, events, replays = [], [], []
     try:
         for i in range(3):
-            ep = f"ipc://{tmp}/kv{i}"
-            cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ep, "topic": f"kv@r{i}@tiny"}
+            ep, replay = f"ipc://{tmp}/kv{i}", f"ipc://{tmp}/replay{i}"
+            cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ep, "replay_endpoint": replay, "topic": f"kv@r{i}@tiny"}
             procs.append(serve(model, str(tmp / f"r{i}.log"), "--max-num-batched-tokens", "512", "--kv-events-config", json.dumps(cfg)))
             events.append(ep)
-        app = build_router_app([p.url for p in procs], events, interval=0.3)
+            replays.append(replay)
+        app = build_router_app([p.url for p in procs], events, replay=replays, interval=0.3, tokenizer=load_tokenizer(model))
         with ServerThread(app) as router:
-            router.procs = procs
+            router.procs, router.events, router.replays = procs, events, replays
             router.app = app
             yield router
     finally:
@@ -69,6 +71,64 @@ def test_repeated_prefix_goes_to_its_holder(fleet):
     assert c.get("/health").json()["status"] == "ok"
     text = c.get("/metrics").text
     assert "plinth_router:prefix_matched_blocks_total" in text
+
+
+SYSTEM = " ".join(f"rule {i}." for i in range(45))  # a long shared system prompt: many full pages
+CHAT = {"model": "tiny", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}], "max_tokens": 1}
+COMPLETION = {"model": "tiny", "prompt": " ".join(f"c{i}" for i in range(150)), "max_tokens": 1}
+MESSAGES = {"model": "tiny", "system": SYSTEM + " And more.", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION), ("/v1/messages", MESSAGES)],
+                         ids=["chat", "completion", "anthropic"])  # fmt: skip
+def test_router_tokens_are_the_replicas(fleet, path, body):
+    """The router tokenizes the request itself (no /tokenize call), to the ids the
+    replica computes, so every full block's key is one the replica's events stored."""
+    router = fleet.app.state.router
+    ids = router.prompt_tokens(path, body)
+    assert ids and router.health()[0]["tokenizer"] == "router"
+    c = httpx.Client(base_url=fleet.url, timeout=120)
+    before = served(fleet)
+    r = c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage.get("prompt_tokens", usage.get("input_tokens")) == len(ids)  # the replica's own count
+    (holder,) = [u for u, n in served(fleet).items() if n > before[u]]
+    idx = fleet.app.state.indexes[holder]
+    keys = request_keys(ids, 16)
+    assert len(keys) >= 20
+    assert wait_for(lambda: idx.matched(keys) == len(keys), 10), f"{idx.matched(keys)} of {len(keys)} blocks in the replica's events"
+    # and the replica's /tokenize agrees token for token
+    doc = {"prompt": body["prompt"]} if "prompt" in body else None
+    if path == "/v1/chat/completions":
+        doc = {"messages": body["messages"]}
+    if doc is not None:
+        assert httpx.post(holder + "/tokenize", json=doc, timeout=30).json()["tokens"] == ids
+
+
+def test_without_a_tokenizer_the_replicas_tokenize(fleet, caplog):
+    """A router that cannot load the replicas' model says so and asks their /tokenize:
+    the prefix still routes. Started after the replicas, it catches up on their
+    events from their replay sockets."""
+    urls = [p.url for p in fleet.procs]
+    with caplog.at_level("WARNING", logger="plinth.router"):
+        app = build_router_app(urls, fleet.events, replay=fleet.replays, interval=0.3)
+    assert any("/tokenize" in m for m in caplog.messages)
+    with ServerThread(app) as router:
+        c = httpx.Client(base_url=router.url, timeout=120)
+        assert c.get("/health").json()["tokenizer"] == "replicas"
+        path, body = "/v1/chat/completions", CHAT
+        keys = request_keys(fleet.app.state.router.prompt_tokens(path, body), 16)
+        holders = [u for u, ix in fleet.app.state.indexes.items() if ix.matched(keys) == len(keys)]
+        assert holders
+        indexes = app.state.indexes
+        assert wait_for(lambda: all(indexes[u].matched(keys) == len(keys) for u in holders), 10)  # caught up by replay
+        before = {u: s["served"] for u, s in app.state.replicas.stats().items()}
+        r = c.post(path, json=body)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (len(keys) - 1)
+        after = {u: s["served"] for u, s in app.state.replicas.stats().items()}
+        assert [u for u in after if after[u] > before[u]][0] in holders
 
 
 def test_official_clients_stream_through(fleet):

@@ -97,3 +97,34 @@ def test_aggregate_targets_and_section(sc, tmp_path, monkeypatch):
     assert first.index(sc.END) < first.index(sc.VBEGIN) < first.index("rest") and "serving" in first
     sc.write_doc(text.replace("CMD", "CMD2"), sc.VBEGIN, sc.VEND, after=(sc.END,))
     assert doc.read_text() == first.replace("CMD", "CMD2")
+
+
+def test_deterministic_flag_reaches_plinth_only(sc):
+    hf = Path("/tmp/hf")
+    for argv, want in (([], []), (["--deterministic"], ["--deterministic"]), (["--no-deterministic"], ["--no-deterministic"])):
+        args = _args(sc, *argv)
+        plinth = sc.make_server("plinth", args, hf, "/m.gguf", 1, {})
+        assert [a for a in plinth.cmd if "deterministic" in a] == want
+        assert not any("deterministic" in a for a in sc.make_server("vllm", args, hf, "/m.gguf", 2, {}).cmd)
+        assert sc.mode_text({"deterministic": args.deterministic}) == (
+            "" if not argv else f"; plinth {'with' if argv == ['--deterministic'] else 'without'} `--deterministic`"
+        )
+
+
+
+def test_offline_engine_run_takes_the_mode(sc, monkeypatch):
+    import json
+    import subprocess
+    import types
+
+    specs = []
+
+    def fake_run(cmd, **kw):
+        specs.append(json.loads(cmd[-1]))
+        out = {"duration": 1.0, "total_output_tokens": 10, "total_input_tokens": 5, "num_prompts": 1}
+        return types.SimpleNamespace(stdout=json.dumps(out) + "\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    for mode in (None, True, False):
+        sc.run_offline("/m", "bfloat16", ["p"], [4], 1, ["w"], mode)
+        assert specs[-1]["deterministic"] is mode

@@ -67,6 +67,7 @@ from plinth.contract import (
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
+from plinth.moe import routed_experts, tp_token_slice
 from plinth.parsing import (
     INVALID,
     JsonCallView,
@@ -134,6 +135,8 @@ __all__ = [
     "SiluAndMulOp",
     "DispatchedTokens",
     "expert_ranges",
+    "routed_experts",
+    "tp_token_slice",
     "DraftRunner",
     "GGUFFile",
     "FullAttentionSpec",

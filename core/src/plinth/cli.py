@@ -16,7 +16,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from plinth import __version__
-from plinth.engine.config import AUTO, parse_token_budget
+from plinth.engine.config import AUTO, DEFAULT_DETERMINISTIC, parse_token_budget
 from plinth.errors import ConfigError, PlinthError
 from plinth.plugins import ALLOW_ENV, BLOCK_ENV, PluginRegistry, install_hint
 
@@ -113,6 +113,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--dist-timeout", type=float, default=10.0, metavar="S", help="a rank silent this long fails the engine (default 10)"
     )
     g.add_argument("--seed", type=int, default=0, help="default sampling seed base")
+    g.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_DETERMINISTIC,
+        help="batch-invariant ops: a request's tokens and logits do not depend on its batch, chunking, page size, "
+        "prefix-cache hits or speculation (docs/serving.md; `platform plugins` shows what each backend declines)",
+    )
 
 
 def _token_budget(text: str) -> int | str:
@@ -147,7 +154,7 @@ def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization",
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep", "seed",
         "kv_connector_config", "kv_transfer_config", "kv_events_config",
-        "speculative_method", "num_speculative_tokens", "speculative_model",
+        "speculative_method", "num_speculative_tokens", "speculative_model", "deterministic",
     }
     known |= {"dp", "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
@@ -176,20 +183,33 @@ def _details(row: dict[str, Any]) -> str:
         for why in dict.fromkeys(limits.values()):  # ops that share a reason are listed together
             ops = ", ".join(op for op, w in limits.items() if w == why)
             text += f"; in {dtype}, {ops} from the reference: {why}"
+    deterministic = row.get("deterministic")
+    if deterministic is not None:  # what --deterministic takes from the reference on top of the above
+        if not any(deterministic.values()):
+            text += "; --deterministic: every op batch-invariant"
+        for dtype, limits in deterministic.items():
+            for why in dict.fromkeys(limits.values()):
+                ops = ", ".join(op for op, w in limits.items() if w == why)
+                text += f"; --deterministic in {dtype}: {ops} from the reference: {why}"
     return text
 
 
-def _unsupported_ops(registry: PluginRegistry, row: dict[str, Any], ctx: Any) -> dict[str, dict[str, str]]:
-    """dtype -> {op: why} for an available backend, over the accelerator's dtypes."""
+def _unsupported_ops(registry: PluginRegistry, row: dict[str, Any], ctx: Any) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]]:
+    """For an available backend, over the accelerator's dtypes: dtype ->
+    {op: why} it declines, and dtype -> {op: why} it declines in addition
+    under ``--deterministic`` (an empty dict: every op it has stays, batch-invariant)."""
     import dataclasses
 
     impl = registry.get("backend", row["name"]).load()
-    out = {}
+    out, deterministic = {}, {}
     for dtype in ctx.accelerator.supported_dtypes():
-        limits = dict(impl.unsupported_ops(dataclasses.replace(ctx, dtype=dtype)))
+        name = str(dtype).removeprefix("torch.")
+        limits = dict(impl.unsupported_ops(dataclasses.replace(ctx, dtype=dtype, deterministic=False)))
         if limits:
-            out[str(dtype).removeprefix("torch.")] = limits
-    return out
+            out[name] = limits
+        det = impl.unsupported_ops(dataclasses.replace(ctx, dtype=dtype, deterministic=True))
+        deterministic[name] = {op: why for op, why in det.items() if op not in limits}
+    return out, deterministic
 
 
 def _backend_context(registry: PluginRegistry, name: str) -> Any:
@@ -265,7 +285,7 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
         for row in rows:
             if row["category"] == "backend" and row["status"] == "ok":
                 try:
-                    row["unsupported_ops"] = _unsupported_ops(registry, row, backend_ctx)
+                    row["unsupported_ops"], row["deterministic"] = _unsupported_ops(registry, row, backend_ctx)
                 except Exception as exc:
                     row["status"], row["reasons"] = "failed", [f"unsupported_ops() raised {type(exc).__name__}: {exc}"]
     for row in rows:  # an available accelerator says what it found

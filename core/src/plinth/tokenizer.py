@@ -6,9 +6,12 @@ rendered in a sandboxed jinja2 environment with the Hugging Face extras, and
 the vocabulary in the form structured-output libraries (xgrammar) take.
 
 Two constructors: ``from_hf_dir`` (tokenizer.json + tokenizer_config.json,
-chat_template.jinja, generation_config.json) and ``from_gguf`` (a tokenizer
-rebuilt from GGUF metadata: byte-level BPE for ``tokenizer.ggml.model ==
-"gpt2"``, SentencePiece-style BPE with byte fallback for ``"llama"``).
+chat_template.jinja, generation_config.json; or, for checkpoints that ship a
+tiktoken rank file with Python code to read it, such as Kimi K2, the
+``tiktoken.model`` converted to the same fast tokenizer without running that
+code) and ``from_gguf`` (a tokenizer rebuilt from GGUF metadata: byte-level
+BPE for ``tokenizer.ggml.model == "gpt2"``, SentencePiece-style BPE with
+byte fallback for ``"llama"``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ _GPT4O_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+#: Kimi K2's (``tokenization_kimi.py`` ``TikTokenTokenizer.pat_str``): GPT-4o's
+#: letters with Han split out into runs of its own
+_KIMI_K2_SPLIT = (
+    r"[\p{Han}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DIGITS = "digits"  # each digit alone, then the GPT-2 split
 GGUF_PRE_TOKENIZERS: dict[str, str] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
@@ -59,7 +70,16 @@ GGUF_PRE_TOKENIZERS: dict[str, str] = {
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), _DIGITS),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT),
     "tekken": _TEKKEN_SPLIT,
+    "kimi-k2": _KIMI_K2_SPLIT,
     **dict.fromkeys(("default", "gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "olmo"), _GPT2_SPLIT),
+}
+
+
+#: tiktoken rank files (``tiktoken.model``) come with Python code that holds
+#: the split pattern and the number of special-token ids after the ranks; by
+#: the module ``tokenizer_config.json``'s ``auto_map`` names: (split, specials)
+TIKTOKEN_TOKENIZERS: dict[str, tuple[str, int]] = {
+    "tokenization_kimi": (_KIMI_K2_SPLIT, 256),
 }
 
 
@@ -203,11 +223,14 @@ class Tokenizer:
 
         folder = Path(path)
         tok_file = folder / "tokenizer.json"
-        if not tok_file.exists():
+        config = _read_json(folder / "tokenizer_config.json")
+        if tok_file.exists():
+            backend = FastTokenizer.from_file(str(tok_file))
+        elif (folder / "tiktoken.model").exists():
+            backend = _tiktoken_bpe(folder / "tiktoken.model", config)
+        else:
             hint = " (it has only a SentencePiece tokenizer.model: save it with a fast tokenizer)" if (folder / "tokenizer.model").exists() else ""
             raise ConfigError(f"{folder}: no tokenizer.json{hint}")
-        backend = FastTokenizer.from_file(str(tok_file))
-        config = _read_json(folder / "tokenizer_config.json")
 
         template = _hf_chat_template(folder, config)
         special = {
@@ -354,6 +377,92 @@ def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str]
     if user:
         backend.add_tokens(user)
     return backend
+
+
+# --------------------------------------------------------------------------
+# tiktoken rank files, converted to a byte-level BPE
+# --------------------------------------------------------------------------
+
+
+def _tiktoken_bpe(model_file: Path, config: Mapping[str, Any]) -> Any:
+    """A fast tokenizer that encodes as ``tiktoken.Encoding`` does over the
+    rank file (one ``base64(token bytes) rank`` a line): byte-level BPE whose
+    merges are the ranks in order (each token's last merge found by running
+    BPE on its own bytes, as transformers' TikTokenConverter does), whole
+    pieces found in the vocabulary kept as one token (tiktoken's shortcut,
+    ``ignore_merges``), the split pattern the checkpoint's tokenizer module
+    holds (``TIKTOKEN_TOKENIZERS``), and special tokens at the ids after the
+    ranks: ``added_tokens_decoder``'s names, ``<|reserved_token_{id}|>``
+    for the others (Kimi's ``tokenization_kimi.py`` convention)."""
+    import base64
+
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers.models import BPE
+
+    auto = (config.get("auto_map") or {}).get("AutoTokenizer") or [None]
+    module = str(auto[0] if isinstance(auto, list) else auto).split(".")[0]
+    if module not in TIKTOKEN_TOKENIZERS:
+        raise ConfigError(
+            f"{model_file}: a tiktoken tokenizer from {module!r} (tokenizer_config.json auto_map): its split pattern "
+            f"is not known (known: {sorted(TIKTOKEN_TOKENIZERS)}); plinth does not run a checkpoint's code"
+        )
+    split, num_special = TIKTOKEN_TOKENIZERS[module]
+    ranks: dict[bytes, int] = {}
+    with open(model_file, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+                except ValueError as exc:
+                    raise ConfigError(f"{model_file}:{n}: not a 'base64 rank' line") from exc
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ConfigError(f"{model_file}: the ranks are not 0 .. {len(ranks) - 1}, each once")
+    if any(bytes([b]) not in ranks for b in range(256)):
+        raise ConfigError(f"{model_file}: not every single byte is a token (byte-level BPE needs all 256)")
+
+    spelling = bytes_to_unicode()
+
+    def spell(token: bytes) -> str:
+        return "".join(spelling[b] for b in token)
+
+    merges: list[tuple[str, str]] = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1:
+            parts = _bpe_parts(ranks, token, rank)
+            if len(parts) != 2:
+                raise ConfigError(f"{model_file}: token {token!r} (rank {rank}) is not one merge of two lower-ranked tokens")
+            merges.append((spell(parts[0]), spell(parts[1])))
+    backend = FastTokenizer(BPE(vocab={spell(t): r for t, r in ranks.items()}, merges=merges, ignore_merges=True, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    named = {int(i): _token_content(tok) for i, tok in (config.get("added_tokens_decoder") or {}).items()}
+    first = len(ranks)
+    specials = [named.get(i) or f"<|reserved_token_{i}|>" for i in range(first, first + num_special)]
+    backend.add_special_tokens([AddedToken(tok, normalized=False, special=True) for tok in specials])
+    for i, tok in enumerate(specials, first):
+        if backend.token_to_id(tok) != i:
+            raise ConfigError(f"{model_file}: special token {tok!r} should have id {i}, got {backend.token_to_id(tok)}")
+    return backend
+
+
+def _bpe_parts(ranks: Mapping[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """``token``'s bytes merged as tiktoken would, stopping before rank
+    ``max_rank`` (the token's own): its two halves when it is a merge."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 1:
+        best, best_rank = -1, max_rank
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < best_rank:
+                best, best_rank = i, r
+        if best < 0:
+            break
+        parts[best : best + 2] = [parts[best] + parts[best + 1]]
+    return parts
 
 
 def _merge_pair(merge: str) -> tuple[str, str]:

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from plinth.engine.config import AUTO, parse_token_budget
+from plinth.engine.config import AUTO, DEFAULT_DETERMINISTIC, parse_token_budget
 from plinth.plugins import PluginRegistry
 
 
@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> 
     parser.add_argument(
         "--max-num-batched-tokens", type=parse_token_budget, default=AUTO, metavar="N|auto",
         help="token budget of one step (default auto: measured at start-up; the result's engine.step_plan)",
+    )
+    parser.add_argument(
+        "--deterministic", action=argparse.BooleanOptionalAction, default=DEFAULT_DETERMINISTIC,
+        help="batch-invariant ops (as `platform serve --deterministic`): run with and without to measure the mode's cost",
     )
     parser.add_argument("--decode-steps", type=int, default=64, help="steps timed for the decode figures")
     parser.add_argument(
@@ -310,12 +314,12 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
         args.model, device=args.device, backend=args.backend, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, registry=registry, kv_cache_memory=2.0,
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-        speculative_model=args.speculative_model, dequantize=args.dequantize,
+        speculative_model=args.speculative_model, dequantize=args.dequantize, deterministic=args.deterministic,
         plugin_options={k: v for k, v in (("ngram_min_n", args.ngram_min_n), ("ngram_max_n", args.ngram_max_n)) if v is not None},
     )
     # which machine and paths the figures came from
     described = llm.engine.components.describe()
-    result["engine"] = {k: described.get(k) for k in ("device", "device_name", "isa", "backend", "dtype", "ops", "max_num_seqs", "step_plan")}
+    result["engine"] = {k: described.get(k) for k in ("device", "device_name", "isa", "backend", "dtype", "ops", "max_num_seqs", "step_plan", "deterministic")}
     dtype_name = str(llm.engine.components.dtype).removeprefix("torch.")
     result["matmul_GFLOPs"] = measure_matmul_flops(dtype_name) / 1e9
     result["matmul_dtype"] = dtype_name
@@ -389,7 +393,7 @@ def print_report(r: dict[str, Any]) -> None:
     engine = r.get("engine") or {}
     if engine.get("device_name"):
         lines.insert(0, f"cpu/device: {engine['device_name']}; instruction sets: {','.join(engine.get('isa') or []) or 'not reported'}; "
-                        f"backend {engine.get('backend')}, {engine.get('dtype')}")
+                        f"backend {engine.get('backend')}, {engine.get('dtype')}, deterministic {'on' if engine.get('deterministic') else 'off'}")
     w = r["workload"]
     lines.append(f"workload: {w['prompts']} prompts, {w['input_tokens']} input / {w['output_tokens']} output tokens")
     pt, tt = r.get("plinth_throughput"), r.get("transformers_throughput")

@@ -17,6 +17,12 @@ AUTO = "auto"
 #: on two CPU cores, and GEMMs with 512 rows already run at full speed, so
 #: bigger budgets buy little throughput.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+#: deterministic serving (``--deterministic``): batch-invariant ops, so a
+#: request's tokens and logits do not depend on its batch, chunking, page
+#: size, prefix-cache hits or speculation (docs/serving.md). The one place
+#: its default lives; it follows the measured cost on the serving benchmark
+#: (on where that is under 5%).
+DEFAULT_DETERMINISTIC = False
 
 
 @dataclass
@@ -65,6 +71,8 @@ class EngineConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None  # k; default 4 when a method is named
     speculative_model: str | None = None  # the draft model of the `draft` proposer
+    #: batch-invariant ops in every backend (``SelectionContext.deterministic``)
+    deterministic: bool = DEFAULT_DETERMINISTIC
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

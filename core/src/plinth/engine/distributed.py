@@ -1,20 +1,25 @@
 """The multi-process engine: tp x dp ranks over torch.distributed.
 
-Rank 0 (this process: ``LLM`` or ``platform serve``) runs the API, one
+Rank 0 (this process: ``LLM`` or ``platform serve``) runs the API and one
 scheduler per dp rank (one ``LLMEngine`` each, behind ``DistributedEngine``,
-which hands new requests to the least loaded one) and the sampler. It
+which hands new requests to the least loaded one). It
 launches the other ranks of its node itself as fresh interpreters
 (``python -m plinth.engine.worker``; other nodes run ``platform serve
 --node-rank k``: workers only). Every rank starts through the one start-up
 path (``startup.start_process``, given a ``RankJoin``). Every step it sends each
 rank its dp group's batch by one collective on the control group (a header,
-then one int64 payload): token ids, positions, slot mapping, query starts,
-sequence lengths, block tables, the logits rows to compute, pending page
-copies, and the step's decode flag (decode only when every dp group decodes,
-so DeepEP's low-latency mode agrees across the expert group). Every rank runs
-the same forward; a dp group with nothing to run does a one-token dummy
-forward into a scratch page so the expert all-to-all never waits for it. The
-first tp rank of each other dp group sends its logits rows back to rank 0.
+then one int64 payload): token ids, positions, sequence and query lengths,
+slot mapping, block tables and pending page copies of each KV-cache group,
+the logits rows to compute, the group's SampleJob (sampling parameters,
+token ids for penalties, grammar masks, the uniforms of seeded rows drawn
+on rank 0 from the requests' generators), and the step's decode flag
+(decode only when every dp group decodes, so DeepEP's low-latency mode
+agrees across the expert group). Every rank runs the same forward; a dp
+group with nothing to run does a one-token dummy forward into a scratch
+page of each KV-cache group so the expert all-to-all never waits for it.
+Rank 0 samples dp group 0; the first tp rank of each other dp group samples
+its own rows where its logits are and sends back only the sampled ids and
+requested logprobs (``send_result``).
 
 Failure handling: the control group and the model's groups carry a short
 collective timeout (``dist_timeout``, 10 s by default); rank 0 sends a
@@ -34,9 +39,11 @@ import atexit
 import datetime
 import logging
 import os
+import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -45,11 +52,13 @@ import torch
 from plinth.api import AttentionMetadata
 from plinth.engine.config import EngineConfig
 from plinth.engine.engine import LLMEngine
+from plinth.engine.grammar import FixedMask
 from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore
 from plinth.engine.kv_cache_manager import KVCacheManager, make_group
 from plinth.engine.kv_events import build_recorder
 from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.parallel import ParallelGroups, ParallelLayout, init_groups
+from plinth.engine.sampler import SampleJob, Sampler, SampleResult, SampleRow, SamplesOnItsRank, random_rows, uniforms
 from plinth.engine.scheduler import Scheduler
 from plinth.engine.startup import Started, hash_seed, start_process
 from plinth.engine.step_plan import plan_step
@@ -62,7 +71,6 @@ OP_NOOP, OP_STEP, OP_STOP = 0, 1, 2
 HEARTBEAT_S = 1.0
 #: start-up (imports, weight loading, rendezvous) may take much longer than a step
 STARTUP_TIMEOUT_S = float(os.environ.get("PLINTH_DIST_STARTUP_TIMEOUT", "600"))
-_FIELDS = 6  # per dp group: tokens, seqs, max pages, rows, copies, max query len
 
 
 class DeadRankError(PlinthError):
@@ -164,132 +172,231 @@ class RankJoin:
         self.ctrl = None if backend == "gloo" else dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
         return self.groups
 
-    def agree_num_pages(self, num_pages: int) -> int:
+    def agree_num_pages(self, pages: list[int]) -> list[int]:
         # ranks of one node share its memory; after loading, which may take
         # any time: the long-timeout store, not a collective
-        self.store.set(f"plinth/pages/{self.rank}", str(int(num_pages)))
+        self.store.set(f"plinth/pages/{self.rank}", ",".join(map(str, pages)))
         keys = [f"plinth/pages/{r}" for r in range(self.layout.world)]
         wait_while(lambda: self.store.wait(keys), self.alive, "loading the model on every rank", STARTUP_TIMEOUT_S)
-        return min(int(self.store.get(k)) for k in keys)
+        every = [[int(n) for n in self.store.get(k).decode().split(",")] for k in keys]
+        return [min(group) for group in zip(*every)]
 
 
 def make_store(config: EngineConfig, is_master: bool, port: int) -> Any:
     import torch.distributed as dist
 
     addr = config.master_addr or "127.0.0.1"
-    return dist.TCPStore(
+    # TCPStore is torch's documented API; its stubs re-export it without saying so
+    return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
         addr, port, is_master=is_master, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False
     )
 
 
 # ---- one step's batch as one int64 payload ----------------------------------------------------
 
+#: per dp group: tokens, sequences, logits rows, longest query, bytes of its
+#: SampleJob; then per KV-cache group: widest block table, page copies
+_HEAD = 5
 
-def pack_step(parts: list[tuple[Any, list[int], list[tuple[int, int]]] | None], decode: bool) -> torch.Tensor:
-    """parts[d]: (input_ids, meta, logit rows, page copies) of dp group d, or None."""
+
+@dataclass
+class StepPart:
+    """Dp group d's part of one step, as every rank of the group runs it."""
+
+    ids: torch.Tensor
+    #: with more than one KV-cache group, ``meta.groups`` holds each group's block tables and slots
+    meta: AttentionMetadata
+    #: the flat token rows whose logits the step needs
+    rows: list[int]
+    #: per KV-cache group, the pages to copy (src, dst) before the forward (n > 1 forks)
+    copies: list[list[tuple[int, int]]] = field(default_factory=list)
+    #: the encoded SampleJob its first tp rank runs (empty for group 0: rank 0 samples it)
+    job: bytes = b""
+
+
+def group_metas(meta: AttentionMetadata) -> list[AttentionMetadata]:
+    return meta.groups or [meta]
+
+
+def _int64_words(data: bytes) -> np.ndarray:
+    return np.frombuffer(data + b"\0" * (-len(data) % 8), dtype=np.int64)
+
+
+def pack_step(parts: list[StepPart | None], decode: bool, num_groups: int) -> torch.Tensor:
+    """parts[d]: dp group d's part, or None (it runs a dummy forward)."""
     head: list[np.ndarray] = [np.array([int(decode)], dtype=np.int64)]
     body: list[np.ndarray] = []
     for part in parts:
         if part is None:
-            head.append(np.zeros(_FIELDS, dtype=np.int64))
+            head.append(np.zeros(_HEAD + 2 * num_groups, dtype=np.int64))
             continue
-        ids, meta, rows, copies = part
-        tables = meta.block_tables
-        head.append(np.array([ids.numel(), meta.num_seqs, tables.shape[1], len(rows), len(copies), meta.max_query_len], dtype=np.int64))
+        m, metas = part.meta, group_metas(part.meta)
+        copies = part.copies or [[] for _ in metas]
+        head.append(np.array(
+            [part.ids.numel(), m.num_seqs, len(part.rows), m.max_query_len, len(part.job),
+             *(g.block_tables.shape[1] for g in metas), *(len(c) for c in copies)], dtype=np.int64,
+        ))  # fmt: skip
         body += [
-            ids.cpu().numpy(), meta.positions.cpu().numpy(), meta.slot_mapping.cpu().numpy(),
-            np.asarray(meta.seq_lens_cpu, dtype=np.int64), tables.cpu().numpy().astype(np.int64).ravel(),
-            np.asarray(meta.query_lens_cpu, dtype=np.int64), np.asarray(rows, dtype=np.int64),
-            np.asarray(copies, dtype=np.int64).reshape(-1),
+            part.ids.cpu().numpy(), m.positions.cpu().numpy(), np.asarray(m.seq_lens_cpu), np.asarray(m.query_lens_cpu),
+            np.asarray(part.rows), _int64_words(part.job),
         ]  # fmt: skip
-    return torch.from_numpy(np.concatenate(head + body))
+        for g, c in zip(metas, copies):
+            body += [g.slot_mapping.cpu().numpy(), g.block_tables.cpu().numpy().ravel(), np.asarray(c).reshape(-1)]
+    return torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in head + body]))
 
 
-def unpack_step(payload: torch.Tensor, dp: int, dp_rank: int) -> tuple[bool, list[np.ndarray] | None, list[int]]:
-    """(decode, this group's arrays or None, every group's row counts)."""
+def unpack_step(payload: torch.Tensor, dp: int, dp_rank: int, num_groups: int) -> tuple[bool, list[np.ndarray] | None]:
+    """(decode, this group's head and arrays, or None when it has no part)."""
     x = payload.numpy()
-    decode = bool(x[0])
-    heads = x[1 : 1 + dp * _FIELDS].reshape(dp, _FIELDS)
-    off = 1 + dp * _FIELDS
+    width = _HEAD + 2 * num_groups
+    heads = x[1 : 1 + dp * width].reshape(dp, width)
+    off = 1 + dp * width
     mine = None
     for d in range(dp):
-        t, b, p, r, c, _ = (int(v) for v in heads[d])
+        t, b, r, _, nbytes = (int(v) for v in heads[d][:_HEAD])
         if t == 0:
             continue
-        sizes = [t, t, t, b, b * p, b, r, 2 * c]
+        pages, copies = heads[d][_HEAD : _HEAD + num_groups], heads[d][_HEAD + num_groups :]
+        sizes = [t, t, b, b, r, -(-nbytes // 8)] + [n for p, c in zip(pages, copies) for n in (t, b * int(p), 2 * int(c))]
         if d == dp_rank:
-            mine = []
+            mine = [heads[d]]
             for n in sizes:
                 mine.append(x[off : off + n])
                 off += n
-            mine.append(heads[d])
         else:
             off += sum(sizes)
-    return decode, mine, [int(heads[d][3]) for d in range(dp)]
+    return bool(x[0]), mine
 
 
-def metadata_from(arrays: list[np.ndarray], page_size: int, device: torch.device, decode: bool) -> tuple[torch.Tensor, AttentionMetadata, list[int], list[tuple[int, int]]]:
-    ids, pos, slots, seq_lens, tables, q_lens, rows, copies, head = arrays
-    b, p = int(head[1]), int(head[2])
+def part_from(arrays: list[np.ndarray], runner: ModelRunner, decode: bool) -> StepPart:
+    """A worker's StepPart from what ``unpack_step`` cut out for it."""
+    head, ids, pos, seq_lens, q_lens, rows, job, *per_group = arrays
+    b, dev = int(head[1]), runner.device
     cu = np.zeros(b + 1, dtype=np.int32)
     np.cumsum(q_lens, out=cu[1:])
-    meta = AttentionMetadata(
-        positions=torch.from_numpy(pos.copy()).to(device),
-        slot_mapping=torch.from_numpy(slots.copy()).to(device),
-        query_start_loc=torch.from_numpy(cu).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(tables.reshape(b, p).astype(np.int32)).to(device),
-        page_size=page_size,
-        max_query_len=int(head[5]),
-        max_seq_len=int(seq_lens.max()),
-        query_lens_cpu=q_lens.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-        moe_decode=decode,
-    )
-    pairs = copies.reshape(-1, 2).tolist()
-    return torch.from_numpy(ids.copy()).to(device), meta, rows.tolist(), [tuple(c) for c in pairs]
-
-
-def dummy_step(scratch_page: int, page_size: int, device: torch.device, decode: bool) -> tuple[torch.Tensor, AttentionMetadata]:
-    """One token written into the scratch page: a dp group with no work still
-    joins the expert all-to-all of every MoE layer."""
-    meta = AttentionMetadata(
-        positions=torch.zeros(1, dtype=torch.long, device=device),
-        slot_mapping=torch.full((1,), scratch_page * page_size, dtype=torch.long, device=device),
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
-        seq_lens=torch.ones(1, dtype=torch.int32, device=device),
-        block_tables=torch.full((1, 1), scratch_page, dtype=torch.int32, device=device),
-        page_size=page_size, max_query_len=1, max_seq_len=1, query_lens_cpu=[1], seq_lens_cpu=[1], moe_decode=decode,
+    shared: dict[str, Any] = dict(
+        positions=torch.from_numpy(pos.copy()).to(dev), query_start_loc=torch.from_numpy(cu).to(dev),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev), page_size=runner.page_size,
+        max_query_len=int(head[3]), max_seq_len=int(seq_lens.max()), query_lens_cpu=q_lens.tolist(),
+        seq_lens_cpu=seq_lens.tolist(), moe_decode=decode,
     )  # fmt: skip
-    return torch.zeros(1, dtype=torch.long, device=device), meta
+    metas, copies = [], []
+    for gi in range(len(per_group) // 3):
+        slots, tables, pairs = per_group[3 * gi : 3 * gi + 3]
+        table = torch.from_numpy(tables.reshape(b, int(head[_HEAD + gi])).astype(np.int32)).to(dev)
+        metas.append(AttentionMetadata(slot_mapping=torch.from_numpy(slots.copy()).to(dev), block_tables=table, **shared))
+        copies.append([(int(s), int(d)) for s, d in pairs.reshape(-1, 2)])
+    meta = metas[0]
+    if len(metas) > 1:
+        meta.groups, meta.layer_groups = metas, runner.layer_groups
+    return StepPart(torch.from_numpy(ids.copy()).to(dev), meta, rows.tolist(), copies, job.tobytes()[: int(head[4])])
+
+
+def dummy_step(runner: ModelRunner, scratch: list[int], decode: bool) -> StepPart:
+    """One token written into each KV-cache group's scratch page: a dp
+    group with no work still joins the expert all-to-all of every MoE layer."""
+    dev, ps = runner.device, runner.page_size
+    shared: dict[str, Any] = dict(
+        positions=torch.zeros(1, dtype=torch.long, device=dev), query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+        seq_lens=torch.ones(1, dtype=torch.int32, device=dev), page_size=ps, max_query_len=1, max_seq_len=1,
+        query_lens_cpu=[1], seq_lens_cpu=[1], moe_decode=decode,
+    )  # fmt: skip
+    metas = [
+        AttentionMetadata(
+            slot_mapping=torch.full((1,), page * ps, dtype=torch.long, device=dev),
+            block_tables=torch.full((1, 1), page, dtype=torch.int32, device=dev), **shared,
+        )
+        for page in scratch
+    ]  # fmt: skip
+    meta = metas[0]
+    if len(metas) > 1:
+        meta.groups, meta.layer_groups = metas, runner.layer_groups
+    return StepPart(torch.zeros(1, dtype=torch.long, device=dev), meta, [])
+
+
+# ---- a dp group's sampling on its own rank ---------------------------------------------------
+
+
+def encode_job(job: SampleJob, vocab: int) -> bytes:
+    """A dp group's SampleJob for its rank: each row's parameters and token
+    ids, a grammar as its mask (bits) and the uniforms of the random rows,
+    drawn here from the requests' generators in the order one process draws
+    them (a seeded request samples the same tokens at any dp)."""
+    rand = random_rows(job.rows)
+    u = uniforms([job.rows[i].generator for i in rand]).tolist() if rand else []
+    rows = [
+        (r.params.clone(grammar=None), list(r.prompt_ids), list(r.output_ids), list(r.banned),
+         None if r.grammar is None else np.packbits(FixedMask.of(r.grammar, vocab).forbidden.cpu().numpy()).tobytes())
+        for r in job.rows
+    ]  # fmt: skip
+    return pickle.dumps((rows, job.at, job.prompt, u), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_job(data: bytes, vocab: int) -> SampleJob:
+    wire, at, prompt, u = pickle.loads(data)
+    rows = [
+        SampleRow(
+            params=params, prompt_ids=prompt_ids, output_ids=output_ids, generator=None, banned=banned,
+            grammar=None if bits is None else FixedMask(torch.from_numpy(np.unpackbits(np.frombuffer(bits, dtype=np.uint8))[:vocab].astype(bool))),
+        )
+        for params, prompt_ids, output_ids, banned, bits in wire
+    ]  # fmt: skip
+    return SampleJob(rows, at, prompt, torch.tensor(u, dtype=torch.float64) if u else None)
+
+
+def send_result(result: SampleResult, ctrl: Any) -> None:
+    """To rank 0: the byte count, then the pickled SampleResult (ids and logprobs)."""
+    import torch.distributed as dist
+
+    data = pickle.dumps((result.tokens, result.logprobs, result.prompt_logprobs), protocol=pickle.HIGHEST_PROTOCOL)
+    dist.send(torch.tensor([len(data)], dtype=torch.long), dst=0, group=ctrl)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=0, group=ctrl)
+
+
+def receive_result(src: int, ctrl: Any) -> tuple[SampleResult, int]:
+    """(what ``send_result`` sent from rank src, the bytes that crossed)."""
+    import torch.distributed as dist
+
+    n = torch.zeros(1, dtype=torch.long)
+    dist.recv(n, src=src, group=ctrl)
+    data = torch.empty(int(n[0]), dtype=torch.uint8)
+    dist.recv(data, src=src, group=ctrl)
+    return SampleResult(*pickle.loads(data.numpy().tobytes())), n.element_size() + data.numel()
 
 
 class RankForward:
     """The forward every rank runs on its dp group's part of a step: a
-    ModelRunner over the agreed pool and one scratch page (the last) for
-    dummy forwards."""
+    ModelRunner over the agreed pool and one scratch page per KV-cache
+    group (the last) for dummy forwards."""
 
     def __init__(self, config: EngineConfig, started: Started) -> None:
+        pages = started.plan.pages
         self.runner = ModelRunner(
             started.model, started.ops, started.model_cfg, device=started.device, dtype=started.dtype,
-            num_pages=started.num_pages + 1, page_size=config.page_size,
+            num_pages=[n + 1 for n in pages], page_size=config.page_size,
         )  # fmt: skip
-        self.scratch = started.num_pages
+        self.scratch = list(pages)
+        self.sampler = Sampler()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.runner.kv_groups)
 
     @torch.inference_mode()
-    def run(self, ids: torch.Tensor | None, meta: AttentionMetadata | None, rows: list[int], copies: list[tuple[int, int]], decode: bool) -> torch.Tensor | None:
+    def run(self, part: StepPart | None, decode: bool) -> torch.Tensor | None:
+        """The forward, and the logits of the part's rows (on the device)."""
         r = self.runner
-        if copies:
-            src, dst = zip(*copies)
-            r.ops.copy_pages(r.kv_caches, torch.tensor(src), torch.tensor(dst))
-        if ids is None:
-            ids, meta = dummy_step(self.scratch, r.page_size, r.device, decode)
-        r.ops.prepare_attention(meta)
-        hidden = r.model(ids, meta.positions, r.kv_caches, meta)
-        if not rows:
+        if part is not None and any(part.copies):
+            r.copy_pages([[s for s, _ in c] for c in part.copies], [[d for _, d in c] for c in part.copies])
+        if part is None:
+            part = dummy_step(r, self.scratch, decode)
+        for m in group_metas(part.meta):
+            r.ops.prepare_attention(m)
+        hidden = r.model(part.ids, part.meta.positions, r.kv_caches, part.meta)
+        if not part.rows:
             return None
-        idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        return r.model.compute_logits(hidden.index_select(0, idx)).float().cpu()
+        idx = torch.tensor(part.rows, dtype=torch.long, device=hidden.device)
+        return r.model.compute_logits(hidden.index_select(0, idx)).float()
 
 
 def control(header: torch.Tensor, ctrl: Any) -> None:
@@ -303,23 +410,30 @@ def control(header: torch.Tensor, ctrl: Any) -> None:
 # ---- rank 0 --------------------------------------------------------------------------------
 
 
-class _GroupRunner:
-    """The ``runner`` of dp group d's ``LLMEngine`` on rank 0: execute hands
-    the batch to the front, which runs every group's step at once."""
+class _GroupRunner(SamplesOnItsRank):
+    """The ``runner`` of dp group d's ``LLMEngine`` on rank 0: it hands the
+    batch and its SampleJob to the front, which runs every group's step at
+    once; group d's first rank samples, and only ids and logprobs come back."""
 
-    def __init__(self, front: "DistributedEngine", dp_rank: int, local: Any) -> None:
+    def __init__(self, front: "DistributedEngine", dp_rank: int, local: ModelRunner) -> None:
         self.front = front
         self.dp_rank = dp_rank
         self.local = local  # rank 0's ModelRunner (for shapes; group 0 runs on it)
-        self.copies: list[tuple[int, int]] = []
+        #: per KV-cache group, page copies applied on every rank of the group before its next forward
+        self.copies: list[list[tuple[int, int]]] = [[] for _ in local.kv_groups]
 
-    def execute(self, batch: Any, logit_rows: Any) -> torch.Tensor:
+    def execute_sampled(self, batch: Any, logit_rows: Any, job: SampleJob) -> SampleResult:
         ids, meta = self.local.build_metadata(batch)
-        return self.front.arrive(self.dp_rank, (ids, meta, list(logit_rows)))
+        return self.front.arrive(self.dp_rank, StepPart(ids, meta, list(logit_rows)), job)
 
     def copy_pages(self, src: Any, dst: Any) -> None:
-        """src[0], dst[0]: the pages of the one KV-cache group ranks support."""
-        self.copies.extend(zip(map(int, src[0]), map(int, dst[0])))  # applied on every rank of the group before its next forward
+        """src[g], dst[g]: the pages of KV-cache group g."""
+        for pending, s, d in zip(self.copies, src, dst):
+            pending.extend(zip(map(int, s), map(int, d)))
+
+    def take_copies(self) -> list[list[tuple[int, int]]]:
+        copies, self.copies = self.copies, [[] for _ in self.copies]
+        return copies
 
 
 class DistributedEngine(EngineCore):
@@ -352,12 +466,15 @@ class DistributedEngine(EngineCore):
         ]  # fmt: skip
         self.failure: DeadRankError | None = None
         self.owner: dict[str, int] = {}
+        #: bytes the other dp groups' ranks sent back (sampled ids and logprobs: never logits)
+        self.rank_result_bytes = 0
+        self.rank_result_rows = 0
         self._lock = threading.Lock()  # the control group: steps and heartbeats in one order
         self._last = time.monotonic()
         self._closed = False
         self._cv = threading.Condition()
-        self._pending: dict[int, Any] = {}
-        self._results: dict[int, Any] = {}
+        self._pending: dict[int, tuple[StepPart, SampleJob]] = {}
+        self._results: dict[int, SampleResult | BaseException] = {}
         n = len(self.engines)
         self._pool = ThreadPoolExecutor(n, thread_name_prefix="plinth-dp") if n > 1 else None
         self._stop = threading.Event()
@@ -412,6 +529,8 @@ class DistributedEngine(EngineCore):
             for k, v in e.stats().items():
                 total[k] = total.get(k, 0) + v if isinstance(v, (int, float)) else v
         total["world"] = self.layout.world
+        total["rank_result_bytes"] = self.rank_result_bytes
+        total["rank_result_rows"] = self.rank_result_rows
         return total
 
     def pages_held(self) -> int:
@@ -476,12 +595,12 @@ class DistributedEngine(EngineCore):
         with self._cv:
             self._cv.notify_all()
 
-    def arrive(self, d: int, part: Any) -> torch.Tensor:
+    def arrive(self, d: int, part: StepPart, job: SampleJob) -> SampleResult:
         if self._pool is None:
-            result = self._global_step({d: part})[d]
+            result = self._global_step({d: (part, job)})[d]
         else:
             with self._cv:
-                self._pending[d] = part
+                self._pending[d] = (part, job)
                 self._cv.notify_all()
                 self._cv.wait_for(lambda: d in self._results)
                 result = self._results.pop(d)
@@ -489,70 +608,64 @@ class DistributedEngine(EngineCore):
             raise result
         return result
 
-    def _global_step(self, parts: dict[int, Any]) -> dict[int, Any]:
-
-        layout = self.layout
-        full = []
-        for d in range(layout.dp):
-            if d in parts:
-                ids, meta, rows = parts[d]
-                full.append((ids, meta, rows, self.runners[d].copies))
-            else:
-                full.append(None)
-        # decode only when every group decodes (a dummy forward is one decode token)
-        decode = all(p is None or p[1].max_query_len == 1 for p in full)
-        for p in full:
-            if p is not None:
-                p[1].moe_decode = decode
-        payload = pack_step(full, decode)
+    def _global_step(self, parts: dict[int, tuple[StepPart, SampleJob]]) -> dict[int, SampleResult]:
         vocab = self.model_config.vocab_size
+        full: list[StepPart | None] = [None] * self.layout.dp
+        for d, (part, job) in parts.items():
+            part.copies = self.runners[d].take_copies()
+            part.job = b"" if d == 0 else encode_job(job, vocab)  # group 0's logits are here
+            full[d] = part
+        # decode only when every group decodes (a dummy forward is one decode token)
+        decode = all(p is None or p.meta.max_query_len == 1 for p in full)
+        for p in full:
+            for m in group_metas(p.meta) if p is not None else ():
+                m.moe_decode = decode
+        payload = pack_step(full, decode, self.forward.num_groups)
         with self._lock:
             self.check()
             try:
-                out = self._run_world(payload, full, parts, decode)
+                out, logits = self._run_world(payload, full, decode)
             except BaseException as exc:
                 # once a step started on every rank, any failure leaves the
                 # ranks out of step (some wait in a collective rank 0 never
                 # joins): the world cannot run again, whatever the error was
-                self._fail(self._dead_rank() or f"the step failed on rank 0: {type(exc).__name__}: {exc}")
-                raise self.failure from exc
+                raise self._fail(self._dead_rank() or f"the step failed on rank 0: {type(exc).__name__}: {exc}") from exc
             self._last = time.monotonic()
-        if 0 in out and out[0] is None:
-            out[0] = torch.empty(0, vocab)
+        if 0 in parts:  # outside the world: a sampling error fails this step's requests, not the ranks
+            out[0] = parts[0][1].run(logits if logits is not None else torch.empty(0, vocab), self.forward.sampler)
         return out
 
-    def _run_world(self, payload: torch.Tensor, full: list[Any], parts: dict[int, Any], decode: bool) -> dict[int, Any]:
-        """Send the step to every rank, run rank 0's forward, take the logits
-        of the other dp groups (holding the control group's lock)."""
+    def _run_world(self, payload: torch.Tensor, full: list[StepPart | None], decode: bool) -> tuple[dict[int, SampleResult], torch.Tensor | None]:
+        """Send the step to every rank, run rank 0's forward, take the other
+        dp groups' sampled ids and logprobs (holding the control group's
+        lock). Returns those and group 0's logits."""
         import torch.distributed as dist
 
-        layout = self.layout
+        tp = self.layout.tp
         control(torch.tensor([OP_STEP, payload.numel()], dtype=torch.long), self.ctrl)
         dist.broadcast(payload, src=0, group=self.ctrl)
-        for d in range(layout.dp):
-            self.runners[d].copies = []
-        mine = full[0]
-        out: dict[int, Any] = {}
-        if mine is None:
-            self.forward.run(None, None, [], [], decode)
-        else:
-            out[0] = self.forward.run(mine[0], mine[1], mine[2], mine[3], decode)
-        for d in range(1, layout.dp):
-            if d in parts:
-                n = len(parts[d][2])
-                logits = torch.empty(n, self.model_config.vocab_size)
-                if n:
-                    dist.recv(logits, src=d * layout.tp, group=self.ctrl)
-                out[d] = logits
-        return out
+        logits = self.forward.run(full[0], decode)
+        out: dict[int, SampleResult] = {}
+        for d, part in enumerate(full[1:], start=1):
+            if part is None:
+                continue
+            if not part.rows:
+                out[d] = SampleResult([], [], [])
+                continue
+            out[d], nbytes = receive_result(d * tp, self.ctrl)
+            self.rank_result_bytes += nbytes
+            self.rank_result_rows += len(part.rows)
+        return out, logits
 
     # ---- failure handling and shutdown ----------------------------------------------------
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str) -> DeadRankError:
+        """The world is broken: kill this node's ranks; the failure every later step raises."""
         if self.failure is None:
             self.failure = DeadRankError(f"the distributed engine failed: {why}; restart it")
             log.error("%s", self.failure)
         stop_workers(self.procs, kill=True)
+        return self.failure
 
     def _dead_rank(self, wait: float = 1.0) -> str | None:
         """Which local worker died (a broken collective is usually the first sign)."""
@@ -622,8 +735,8 @@ class DistributedEngine(EngineCore):
 def group_kv(config: EngineConfig, started: Started, runner: _GroupRunner, dp_rank: int) -> KVCacheManager:
     """Dp group d's KV-cache manager: its own pages, the pool every rank agreed on."""
     kv = KVCacheManager(
-        [make_group(spec, layers, started.num_pages, config.page_size, enable_caching=config.enable_prefix_caching)
-         for spec, layers in spec_groups(kv_cache_specs(started.model))],
+        [make_group(spec, layers, pages, config.page_size, enable_caching=config.enable_prefix_caching)
+         for (spec, layers), pages in zip(spec_groups(kv_cache_specs(started.model)), started.plan.pages)],
         hash_seed=hash_seed(started.source, started.model_cfg),
         copy_pages=runner.copy_pages,
     )  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 from typing import Sequence as Seq
 
@@ -20,7 +21,7 @@ from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore, EngineDraining
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plinth.engine.sampler import Sampler, SampleRow, make_generator, prompt_logprobs
+from plinth.engine.sampler import SampleJob, Sampler, SampleRow, SamplesOnItsRank, make_generator
 from plinth.engine.sampling_params import SamplingParams
 from plinth.engine.scheduler import ScheduledBatch, Scheduler
 from plinth.engine.sequence import Request, Sequence
@@ -29,11 +30,56 @@ from plinth.errors import RequestError
 log = logging.getLogger("plinth.engine")
 
 
+@dataclass
+class StepRows:
+    """The logits rows a step computes, and what each is for."""
+
+    #: flat token index of each logits row
+    rows: list[int] = field(default_factory=list)
+    #: the sequences sampling after this step, and their rows
+    samplers: list[Sequence] = field(default_factory=list)
+    sample_at: list[int] = field(default_factory=list)
+    #: prompt logprobs: sequence, first row, first position, count
+    prompt_lp: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    #: sequences with proposals: sequence, its batch index, first row
+    spec_at: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+
+def step_rows(batch: ScheduledBatch) -> StepRows:
+    out = StepRows()
+    offset = 0
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        c = seq.num_computed
+        if seq.request.prompt_logprobs is not None and seq.index == 0 and c < seq.num_prompt_tokens - 1:
+            count = min(c + n, seq.num_prompt_tokens - 1) - c
+            out.prompt_lp.append((seq, len(out.rows), c, count))
+            out.rows.extend(range(offset, offset + count))
+        if seq.spec_tokens:  # a decode scoring k proposals: the rows of all 1 + k positions
+            out.spec_at.append((seq, i, len(out.rows)))
+            out.rows.extend(range(offset, offset + n))
+        elif c + n == seq.num_tokens:
+            out.samplers.append(seq)
+            out.sample_at.append(len(out.rows))
+            out.rows.append(offset + n - 1)
+        offset += n
+    return out
+
+
+@dataclass
+class StepSampling:
+    """What a step samples: the job, and the sequence each sampled row
+    belongs to (n > 1 forks expanded: ``forks`` holds their children)."""
+
+    job: SampleJob = field(default_factory=lambda: SampleJob([], []))
+    seqs: list[Sequence] = field(default_factory=list)
+    forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
+
+
 class LLMEngine(EngineCore):
     def __init__(
         self,
         *,
-        runner: ModelRunner,
+        runner: ModelRunner | SamplesOnItsRank,
         tokenizer: Any,
         model_config: Any,
         scheduler: Scheduler,
@@ -177,65 +223,49 @@ class LLMEngine(EngineCore):
         return outputs
 
     def _run(self, batch: ScheduledBatch, touched: dict[str, Request]) -> None:
-        rows: list[int] = []  # flat token index of each logits row
-        samplers: list[Sequence] = []  # the sequences sampling after this step
-        sample_at: list[int] = []  # their rows
-        prompt_lp: list[tuple[Sequence, int, int, int]] = []  # seq, first row, first position, count
-        spec_at: list[tuple[Sequence, int, int]] = []  # seq with proposals, its batch index, first row
-        offset = 0
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            c = seq.num_computed
-            if seq.request.prompt_logprobs is not None and seq.index == 0 and c < seq.num_prompt_tokens - 1:
-                count = min(c + n, seq.num_prompt_tokens - 1) - c
-                prompt_lp.append((seq, len(rows), c, count))
-                rows.extend(range(offset, offset + count))
-            if seq.spec_tokens:  # a decode scoring k proposals: the rows of all 1 + k positions
-                spec_at.append((seq, i, len(rows)))
-                rows.extend(range(offset, offset + n))
-            elif c + n == seq.num_tokens:
-                samplers.append(seq)
-                sample_at.append(len(rows))
-                rows.append(offset + n - 1)
-            offset += n
-
-        logits = self.runner.execute(batch, rows)
-        if spec_at:
-            for seq, v in self._verify(batch, spec_at, logits):
-                touched[seq.request.request_id] = seq.request
-                self._append_verified(seq, v)
+        plan = step_rows(batch)
+        sampling = self._sampling(plan)
+        if isinstance(self.runner, SamplesOnItsRank):  # a dp group's: only ids and logprobs come back
+            if plan.spec_at:
+                raise RuntimeError("speculative verification needs the logits on this rank")
+            result = self.runner.execute_sampled(batch, plan.rows, sampling.job)
+        else:
+            logits = self.runner.execute(batch, plan.rows)
+            result = sampling.job.run(logits, self.sampler)
+            if plan.spec_at:
+                for seq, v in self._verify(batch, plan.spec_at, logits):
+                    touched[seq.request.request_id] = seq.request
+                    self._append_verified(seq, v)
         self.scheduler.mark_computed(batch)
 
-        for seq, first, pos, count in prompt_lp:
-            k = seq.params.prompt_logprobs or 0
-            nxt = seq.token_ids[pos + 1 : pos + 1 + count]
-            seq.request.prompt_logprobs.extend(prompt_logprobs(logits[first : first + count], nxt, k))
-        if not samplers:
-            return
-        sample_logits = logits if len(sample_at) == len(rows) else logits[torch.tensor(sample_at)]
-
-        # n > 1: a prompt finished prefill once; its n samples fork from it here
-        expanded: list[Sequence] = []
-        src_rows: list[int] = []
-        for i, seq in enumerate(samplers):
-            if seq.pending_fork:
-                seq.pending_fork = False
-                for child in self._fork(seq):
-                    expanded.append(child)
-                    src_rows.append(i)
-            else:
-                expanded.append(seq)
-                src_rows.append(i)
-        if len(expanded) != len(samplers):
-            sample_logits = sample_logits[torch.tensor(src_rows)]
+        for (seq, _, _, _), entries in zip(plan.prompt_lp, result.prompt_logprobs):
+            seq.request.prompt_logprobs.extend(entries)
+        for parent, children in sampling.forks:
+            self._place_children(parent, children)
         if self.spec is not None and self.spec.wants_hidden:
-            for seq, r in zip(expanded, src_rows):
-                self.spec.hidden[seq.seq_id] = self.runner.last_hidden[sample_at[r]]
-
-        sample_rows = [self._sample_row(seq) for seq in expanded]
-        tokens, logprobs = self.sampler(sample_logits, sample_rows)
-        for seq, token, lp in zip(expanded, tokens, logprobs):
+            for seq, row in zip(sampling.seqs, sampling.job.at):
+                self.spec.hidden[seq.seq_id] = self._target_hidden(row)
+        for seq, token, lp in zip(sampling.seqs, result.tokens, result.logprobs):
             touched[seq.request.request_id] = seq.request
             self._append_token(seq, token, lp)
+
+    def _sampling(self, plan: StepRows) -> StepSampling:
+        """The step's SampleJob. n > 1: a prompt finished prefill once; its n
+        samples fork from it here (the children exist before the forward, so
+        the job samples them; they take pages once the parent's are computed)."""
+        out = StepSampling()
+        at: list[int] = []
+        for seq, row in zip(plan.samplers, plan.sample_at):
+            family = [seq]
+            if seq.pending_fork:
+                seq.pending_fork = False
+                family += self._fork_children(seq)
+                out.forks.append((seq, family[1:]))
+            out.seqs += family
+            at += [row] * len(family)
+        prompt = [(first, seq.token_ids[pos + 1 : pos + 1 + count], seq.params.prompt_logprobs or 0) for seq, first, pos, count in plan.prompt_lp]
+        out.job = SampleJob(rows=[self._sample_row(seq) for seq in out.seqs], at=at, prompt=prompt)
+        return out
 
     def _sample_row(self, seq: Sequence, extra: Seq[int] = (), grammar: Any = None) -> SampleRow:
         """``extra``: speculative proposals taken as already generated, with
@@ -243,7 +273,7 @@ class LLMEngine(EngineCore):
         p = seq.params
         banned: Seq[int] = ()
         if seq.num_output_tokens + len(extra) < p.min_tokens:
-            banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+            banned = [*(p.stop_token_ids or ()), *(() if p.ignore_eos else self.eos_token_ids)]
         return SampleRow(
             params=p,
             prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else (),
@@ -274,10 +304,17 @@ class LLMEngine(EngineCore):
         for (seq, i, first), v in zip(spec_at, verified):
             seq.spec_tokens = []
             if self.spec.wants_hidden:  # the row behind the token the target added itself
-                self.spec.hidden[seq.seq_id] = self.runner.last_hidden[first + v.accepted]
+                self.spec.hidden[seq.seq_id] = self._target_hidden(first + v.accepted)
             batch.num_tokens[i] = 0  # _append_verified advances what was computed, not mark_computed
             out.append((seq, v))
         return out
+
+    def _target_hidden(self, row: int) -> torch.Tensor:
+        """The target's hidden state at a logits row of this step (proposers that read it)."""
+        hidden = self.runner.last_hidden if isinstance(self.runner, ModelRunner) else None
+        if hidden is None:
+            raise RuntimeError("the proposer reads the target's hidden states: this runner keeps none")
+        return hidden[row]
 
     def _append_verified(self, seq: Sequence, v: Any) -> None:
         """Append what verification kept. The forward computed the K/V of the
@@ -298,24 +335,28 @@ class LLMEngine(EngineCore):
     def _advance_computed(self, seq: Sequence) -> None:
         self.kv.commit(seq, 1)
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """The n sequences of a request whose prompt is now computed: the first
-        is the parent; the others continue from its pages through the
-        KV-cache manager (or, with no page free for the copy of its partial
-        last page, wait and recompute from the prefix cache)."""
+    def _fork_children(self, parent: Sequence) -> list[Sequence]:
+        """Sequences 1..n-1 of a request whose prompt is being computed: its
+        tokens, a grammar fork and sample i's seed (seed + i); no pages yet."""
         req = parent.request
-        seqs = [parent]
+        children = []
         for i in range(1, req.params.n):
             seed = None if req.params.seed is None else req.params.seed + i
             child = Sequence(req, i, list(parent.token_ids), generator=make_generator(seed))
             child.grammar = parent.grammar.fork() if parent.grammar is not None else None
+            children.append(child)
+        return children
+
+    def _place_children(self, parent: Sequence, children: list[Sequence]) -> None:
+        """The n sequences continue from the parent's computed pages through
+        the KV-cache manager (or, with no page free for the copy of its
+        partial last page, wait and recompute from the prefix cache)."""
+        for child in children:
             if self.kv.fork(parent, child):
                 self.scheduler.add_running(child)
             else:
                 self.scheduler.add(child)
-            req.seqs.append(child)
-            seqs.append(child)
-        return seqs
+            parent.request.seqs.append(child)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
         req = seq.request
@@ -335,13 +376,14 @@ class LLMEngine(EngineCore):
         can_stop = seq.num_output_tokens > p.min_tokens or p.min_tokens == 0
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop", token)
-        if can_stop and token in p.stop_token_ids:
+        if can_stop and token in (p.stop_token_ids or ()):
             return self._finish(seq, "stop", token)
         delta = detokenize_step(self.tokenizer, seq)
         if delta:
             seq.text += delta
-            if p.stop and can_stop:
-                hit = find_stop(seq.text, len(delta), p.stop)
+            stops = [p.stop] if isinstance(p.stop, str) else p.stop  # a list after SamplingParams.__post_init__
+            if stops and can_stop:
+                hit = find_stop(seq.text, len(delta), stops)
                 if hit is not None:
                     start, stop = hit
                     seq.text = seq.text[: start + (len(stop) if p.include_stop_str_in_output else 0)]

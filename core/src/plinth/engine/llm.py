@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
-from plinth.engine.config import AUTO, EngineConfig
+from plinth.engine.config import AUTO, DEFAULT_DETERMINISTIC, EngineConfig
 from plinth.engine.factory import build_engine
 from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore
 from plinth.engine.outputs import RequestOutput
@@ -23,6 +23,8 @@ class LLM:
     times the model at start-up to choose the step's token budget
     (``self.engine.components.step_plan``); an integer skips that.
     ``LLM`` is a context manager: leaving it calls ``close()``.
+    ``deterministic=True``: batch-invariant ops, so each prompt's tokens do
+    not depend on what else runs with it (docs/serving.md).
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class LLM:
         speculative_method: str | None = None,
         num_speculative_tokens: int | None = None,
         speculative_model: str | None = None,
+        deterministic: bool = DEFAULT_DETERMINISTIC,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -93,6 +96,7 @@ class LLM:
             speculative_method=speculative_method,
             num_speculative_tokens=num_speculative_tokens,
             speculative_model=speculative_model,
+            deterministic=deterministic,
         )
         #: the ``EngineCore`` (``LLMEngine``, or ``DistributedEngine`` with more than one rank)
         self.engine: EngineCore = build_engine(self.config, registry)
@@ -123,14 +127,16 @@ class LLM:
         model's tokenizer (BOS added as the model expects); lists of ints are
         used as they are."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt
+            batch: list[Prompt] = [cast(Prompt, prompts)]  # one prompt
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
         params = params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(plist) != len(batch):
             raise ValueError("give one SamplingParams, or one per prompt")
         tok = self.engine.tokenizer
         ids = []
-        for prompt, p in zip(prompts, plist):
+        for prompt, p in zip(batch, plist):
             rid = f"offline-{next(self._ids)}"
             if isinstance(prompt, str):
                 self.engine.add_request(rid, tok.encode(prompt), p, prompt=prompt)

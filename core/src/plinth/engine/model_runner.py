@@ -69,13 +69,13 @@ class ModelRunner:
         self.layer_groups = [0] * len(specs)
         # the backend's layout; the engine only counts pages
         self.kv_caches: list[tuple[Any, Any] | None] = [None] * len(specs)
-        for gi, g in enumerate(self.kv_groups):
+        for gi, (g, (spec, _)) in enumerate(zip(self.kv_groups, grouped)):
             for i in g.layers:
                 self.layer_groups[i] = gi
                 self.kv_caches[i] = ops.allocate_kv_cache(
-                    num_pages=g.pool.num_pages, page_size=page_size, dtype=dtype, device=device, **g.spec.allocation()
+                    num_pages=g.pool.num_pages, page_size=page_size, dtype=dtype, device=device, **spec.allocation()
                 )
-        self.page_dims = [self._find_page_dims(g.spec) for g in self.kv_groups]
+        self.page_dims = [self._find_page_dims(spec) for spec, _ in grouped]
         #: keep the hidden states of the logits rows of the last step (speculative proposers that ask)
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None

@@ -10,11 +10,14 @@ logprobs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
 from typing import Sequence as Seq
 
 import torch
 
+from plinth.engine.grammar import LogitsMask
 from plinth.engine.outputs import Logprob, TokenLogprobs
 from plinth.engine.sampling_params import SamplingParams
 
@@ -31,7 +34,8 @@ class SampleRow:
     prompt_ids: Seq[int]
     output_ids: Seq[int]
     generator: torch.Generator | None
-    grammar: object | None = None
+    #: the grammar (its mask at this position)
+    grammar: LogitsMask | None = None
     #: token ids that must not end the sequence yet (min_tokens)
     banned: Seq[int] = ()
 
@@ -169,17 +173,16 @@ def filtered_probs(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) 
     return probs
 
 
-def draw(probs: torch.Tensor, generators: Seq[torch.Generator | None]) -> torch.Tensor:
-    """One draw per row of probs (unnormalized is fine), with row j's uniform
-    from generators[j] (None: the global generator)."""
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row of probs (unnormalized is fine), row j by the
+    float64 uniform u[j] (``uniforms``: each seeded row from its own generator)."""
     # inverse CDF: one uniform per row against prefix sums accumulated in
     # float64 (exact enough for the tail of a 150k vocabulary). An exponential
     # race (argmax p / E) needs a noise value per token: 1.1 ms a row of 49k
     # on one thread, 20x this.
-    u = uniforms(generators, probs.device)
     cdf = probs.cumsum(-1, dtype=torch.float64)
     # right=True: cdf[t - 1] <= target < cdf[t], so a zero-probability token is never drawn
-    target = (u * cdf[:, -1]).unsqueeze(1)
+    target = (u.to(probs.device) * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
@@ -233,10 +236,20 @@ def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return logits
 
 
+def random_rows(rows: Seq[SampleRow]) -> list[int]:
+    """The rows that draw (not greedy): each takes one uniform."""
+    return [i for i, r in enumerate(rows) if not r.params.greedy]
+
+
 class Sampler:
     """Turns one step's logits [rows, vocab] into tokens, on their device."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SampleRow], u: torch.Tensor | None = None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """``u``: the uniforms of ``random_rows(rows)``, drawn already (a
+        dp group's rank samples with the ones rank 0 drew from the
+        requests' generators); None: drawn here."""
         logits = logits.float()
         n = len(rows)
         want_lp = [i for i in range(n) if rows[i].params.logprobs is not None]
@@ -245,20 +258,65 @@ class Sampler:
 
         logits = process_logits(logits, rows)
         tokens = logits.argmax(dim=-1)
-        rand = [i for i in range(n) if not rows[i].params.greedy]
+        rand = random_rows(rows)
         if rand:
             at = torch.tensor(rand, device=logits.device)
-            tokens[at] = draw(filtered_probs(logits, rows, rand), [rows[i].generator for i in rand])
+            if u is None:
+                u = uniforms([rows[i].generator for i in rand], logits.device)
+            tokens[at] = draw(filtered_probs(logits, rows, rand), u)
 
         logprobs: list[TokenLogprobs | None] = [None] * n
-        if want_lp:
-            entries = logprob_entries(raw_logprobs, tokens[lp_at], [rows[i].params.logprobs for i in want_lp])
+        if raw_logprobs is not None:
+            entries = logprob_entries(raw_logprobs, tokens[lp_at], [rows[i].params.logprobs or 0 for i in want_lp])
             for i, e in zip(want_lp, entries):
                 logprobs[i] = e
         return tokens.tolist(), logprobs
+
+
+@dataclass
+class SampleJob:
+    """What one step takes from its logits rows: the rows to sample (forks
+    expanded: ``at[j]`` is row j's logits row) and the prompt logprobs to
+    score (first logits row, the next prompt ids, top k). A rank that holds
+    the logits runs it (``run``) and sends back only the result."""
+
+    rows: list[SampleRow]
+    at: list[int]
+    prompt: list[tuple[int, list[int], int]] = field(default_factory=list)
+    #: the uniforms of ``random_rows(rows)`` when drawn before (rank 0 for a dp group's rank)
+    u: torch.Tensor | None = None
+
+    def run(self, logits: torch.Tensor, sampler: "Sampler") -> "SampleResult":
+        prompt = [prompt_logprobs(logits[first : first + len(nxt)], nxt, k) for first, nxt, k in self.prompt]
+        if not self.rows:
+            return SampleResult([], [], prompt)
+        picked = logits if self.at == list(range(logits.shape[0])) else logits[torch.tensor(self.at, device=logits.device)]
+        tokens, logprobs = sampler(picked, self.rows, self.u)
+        return SampleResult(tokens, logprobs, prompt)
+
+
+@dataclass
+class SampleResult:
+    """A SampleJob's answer: what crosses from the logits' device (and rank) to the host."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[list[TokenLogprobs]]
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: Seq[int], k: int) -> list[TokenLogprobs]:
     """Logprobs of each prompt token given the ones before it."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     return logprob_entries(lp, torch.tensor(list(next_ids), dtype=torch.long), [k] * len(next_ids))
+
+
+class SamplesOnItsRank(ABC):
+    """A runner whose logits stay on another rank (a dp group's): that rank
+    runs the step's SampleJob and sends back only the SampleResult."""
+
+    @abstractmethod
+    def execute_sampled(self, batch: Any, logit_rows: Seq[int], job: SampleJob) -> SampleResult: ...
+
+    @abstractmethod
+    def copy_pages(self, src: Seq[Seq[int]], dst: Seq[Seq[int]]) -> None:
+        """Copy pages src[g][i] -> dst[g][i] of KV-cache group g before the next forward."""

@@ -101,11 +101,19 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
-        kv = self.kv
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        # admit new work only when nothing had to be preempted (no thrashing)
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        batch.block_tables = [self.kv.block_table(s) for s in batch.seqs]
+        return batch
 
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Running sequences first (decodes, then prefill chunks), preempting
+        the latest ones for pages; returns the token budget left."""
+        kv = self.kv
+        scheduled: set[int] = set()
         order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
         for seq in order:
             if budget <= 0:
@@ -137,10 +145,14 @@ class Scheduler:
             batch.num_tokens.append(n)
             scheduled.add(seq.seq_id)
             budget -= n
+        return budget
 
-        # admit new work only when nothing had to be preempted (no thrashing)
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Waiting sequences in order while the budget, max_num_seqs and the
+        pool allow (after their prefix-cache and KV-connector lookups)."""
+        kv = self.kv
         deferred: list[Sequence] = []  # KV-connector lookups still in flight
-        while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if kv.num_pages_of(seq) == 0:
                 try:
@@ -174,8 +186,6 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        batch.block_tables = [kv.block_table(s) for s in batch.seqs]
-        return batch
 
     def mark_computed(self, batch: ScheduledBatch) -> None:
         """After the forward: the scheduled tokens' K/V are in their pages;

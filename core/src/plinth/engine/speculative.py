@@ -47,10 +47,13 @@ from typing import Sequence as Seq
 import torch
 
 from plinth.api import ProposeItem
+from plinth.engine.grammar import FixedMask
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.outputs import TokenLogprobs
-from plinth.engine.sampler import SampleRow, draw, filtered_probs, logprob_entries, process_logits
+from plinth.engine.sampler import SampleRow, draw, filtered_probs, logprob_entries, process_logits, uniforms
+from plinth.engine.sampling_params import SamplingParams
 from plinth.engine.scheduler import ScheduledBatch
+from plinth.engine.sequence import Request, Sequence
 
 log = logging.getLogger("plinth.speculative")
 
@@ -185,6 +188,11 @@ class StepCostModel:
         pts = self.curve()
         if not pts or tokens < pts[0][0]:
             return None
+        return self._interpolate(pts, tokens)
+
+    @staticmethod
+    def _interpolate(pts: list[tuple[int, float]], tokens: int) -> float:
+        """t(tokens) on the measured curve (tokens at least its smallest size)."""
         hi = bisect.bisect_left(pts, (tokens, 0.0))
         if hi < len(pts):
             n1, t1 = pts[hi]
@@ -205,6 +213,11 @@ class StepCostModel:
         base = self.estimate(num_seqs)
         if base is None or base <= 0:
             return [0] * len(offers)  # a plain step measures this size first
+        pts = self.curve()
+
+        def cost(tokens: int) -> float:  # sizes from num_seqs up: on the curve
+            return self._interpolate(pts, tokens)
+
         # every position of every offer, most likely to pass first
         positions = sorted(
             ((a**j, i) for i, (a, n) in enumerate(offers) for j in range(1, n + 1)), key=lambda p: -p[0]
@@ -212,14 +225,14 @@ class StepCostModel:
         best, best_rate, expected = 0, num_seqs / base, float(num_seqs)
         for kept, (p, _) in enumerate(positions, 1):
             expected += p
-            rate = expected / self.estimate(num_seqs + kept)
+            rate = expected / cost(num_seqs + kept)
             if rate > best_rate:
                 best, best_rate = kept, rate
         if best < len(positions) and (
             len(self.samples.get(num_seqs + best + 1, ())) < MIN_SAMPLES
             or self.explored < self.explore_share * self.total
         ):
-            self.explored += self.estimate(num_seqs + best + 1) - self.estimate(num_seqs + best)
+            self.explored += cost(num_seqs + best + 1) - cost(num_seqs + best)
             best += 1  # measure (see the class docstring)
         keep = [0] * len(offers)
         for _, i in positions[:best]:
@@ -243,17 +256,122 @@ def _uniforms(generator: torch.Generator | None, n: int) -> torch.Tensor:
     return torch.rand(n, dtype=torch.float64, generator=generator)
 
 
-class _FixedMask:
-    """A grammar's mask at one position, taken before the grammar moves on
-    (the rows of all positions are processed together)."""
+# ---- verification's steps (SpecDecoder.verify) ---------------------------------------------
 
-    def __init__(self, grammar: Any, vocab: int, device: torch.device) -> None:
-        probe = torch.zeros(vocab, device=device)
-        grammar.mask_logits(probe)
-        self.forbidden = torch.isinf(probe)
 
-    def mask_logits(self, logits: torch.Tensor) -> None:
-        logits.masked_fill_(self.forbidden, float("-inf"))
+def _verify_rows(
+    items: Seq[tuple[Any, int]], vocab: int, dev: torch.device, make_row: Callable[[Any, Seq[int], Any], SampleRow]
+) -> tuple[list[SampleRow], list[int], list[int], list[int]]:
+    """The rows to process: per sequence, one per position (its last token,
+    then each proposal), up to the first proposal its grammar refuses.
+    Returns the rows, the logits row of each, each sequence's first row and
+    its number of rows."""
+    rows: list[SampleRow] = []
+    at: list[int] = []
+    starts: list[int] = []
+    n_rows: list[int] = []
+    for seq, first in items:
+        spec = seq.spec_tokens
+        k = len(spec)
+        starts.append(len(rows))
+        if seq.grammar is not None:
+            # the grammar's state moves with each proposal: its mask per
+            # position, on a fork, up to the first proposal it refuses (p(x) = 0 there)
+            g = seq.grammar.fork()
+            for i in range(k + 1):
+                rows.append(make_row(seq, spec[:i], FixedMask.of(g, vocab, dev)))
+                at.append(first + i)
+                if i == k or not g.accept(spec[i]):
+                    break
+        else:
+            rows.extend(make_row(seq, spec[:i], None) for i in range(k + 1))
+            at.extend(range(first, first + k + 1))
+        n_rows.append(len(rows) - starts[-1])
+    return rows, at, starts, n_rows
+
+
+def _accept(
+    items: Seq[tuple[Any, int]], processed: torch.Tensor, targets: torch.Tensor, rows: list[SampleRow], starts: list[int], n_rows: list[int]
+) -> tuple[list[int], torch.Tensor | None]:
+    """How many proposals each sequence keeps: greedy ones while the
+    proposal is the processed argmax, sampled ones with probability p(x)
+    (the proposal is a point mass q). Returns those counts and, with any
+    sampled sequence, the rows' filtered distributions (normalized).
+    ``targets``: the argmax of each processed row."""
+    dev = processed.device
+    # the proposals judged per sequence (a grammar may refuse one early), padded to one width
+    width = max(min(len(seq.spec_tokens), n) for (seq, _), n in zip(items, n_rows))
+    spec_t = torch.zeros(len(items), max(width, 1), dtype=torch.long)
+    judged = torch.zeros(len(items), max(width, 1), dtype=torch.bool)
+    for j, ((seq, _), n) in enumerate(zip(items, n_rows)):
+        m = min(len(seq.spec_tokens), n)
+        spec_t[j, :m] = torch.tensor(seq.spec_tokens[:m], dtype=torch.long)
+        judged[j, :m] = True
+    spec_t, judged = spec_t.to(dev), judged.to(dev)
+    pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(spec_t.shape[1], device=dev)
+    pos = torch.where(judged, pos, 0)
+
+    greedy = torch.tensor([seq.params.greedy for seq, _ in items], device=dev).unsqueeze(1)
+    passed = targets[pos] == spec_t  # greedy: the proposal is the processed argmax
+    rand = [j for j, (seq, _) in enumerate(items) if not seq.params.greedy]
+    probs = None
+    if rand:
+        rand_rows = [r for j in rand for r in range(starts[j], starts[j] + n_rows[j])]
+        probs = torch.zeros(len(rows), processed.shape[-1], dtype=torch.float32, device=dev)
+        filtered = filtered_probs(processed, rows, rand_rows)
+        probs[torch.tensor(rand_rows, device=dev)] = filtered / filtered.sum(dim=-1, keepdim=True)
+        u = torch.ones(spec_t.shape, dtype=torch.float64)
+        for j in rand:  # as many as it judges: its stream must not depend on the batch
+            m = min(len(items[j][0].spec_tokens), n_rows[j])
+            u[j, :m] = _uniforms(items[j][0].generator, m)
+        passed = torch.where(greedy, passed, u.to(dev) < probs[pos, spec_t])
+    return (passed & judged).long().cumprod(dim=1).sum(dim=1).tolist(), probs
+
+
+def _target_tokens(
+    items: Seq[tuple[Any, int]], targets: list[int], probs: torch.Tensor | None, accepted: list[int], starts: list[int], n_rows: list[int]
+) -> list[list[int]]:
+    """Each sequence's tokens: the accepted proposals, then the target's
+    own token: the correction at the first rejection, or the bonus after
+    all k; none when the grammar refused what came last. A sampled
+    correction draws from normalize(max(0, p - q)), q the rejected point mass."""
+    out: list[list[int]] = []
+    draws: list[tuple[int, int, int | None]] = []  # (sequence, row, proposal to remove)
+    for j, (seq, _) in enumerate(items):
+        a, spec = accepted[j], seq.spec_tokens
+        out.append(spec[:a])
+        if a == n_rows[j]:
+            continue
+        if seq.params.greedy:
+            out[j].append(targets[starts[j] + a])
+        else:
+            draws.append((j, starts[j] + a, spec[a] if a < len(spec) else None))
+    if draws:
+        assert probs is not None  # a sampled sequence: _accept filtered its rows
+        dev = probs.device
+        final = probs[torch.tensor([r for _, r, _ in draws], device=dev)]
+        removed = [(i, x) for i, (_, _, x) in enumerate(draws) if x is not None]
+        if removed:
+            ri, rx = zip(*removed)
+            final[torch.tensor(ri, device=dev), torch.tensor(rx, device=dev)] = 0.0
+        tokens = draw(final, uniforms([items[j][0].generator for j, _, _ in draws], dev)).tolist()
+        for (j, _, _), t in zip(draws, tokens):
+            out[j].append(t)
+    return out
+
+
+def _verified_logprobs(items: Seq[tuple[Any, int]], logits: torch.Tensor, out: list[list[int]]) -> list[list[TokenLogprobs | None]]:
+    """The logprobs of each appended token, for sequences that asked, from the raw rows."""
+    lp_of = [j for j, (seq, _) in enumerate(items) if seq.params.logprobs is not None and out[j]]
+    lps: list[list[TokenLogprobs | None]] = [[None] * len(o) for o in out]
+    if lp_of:
+        lp_rows = [items[j][1] + i for j in lp_of for i in range(len(out[j]))]
+        raw = torch.log_softmax(logits[torch.tensor(lp_rows, device=logits.device)], dim=-1)
+        ids = torch.tensor([t for j in lp_of for t in out[j]], dtype=torch.long)
+        entries = iter(logprob_entries(raw, ids, [items[j][0].params.logprobs for j in lp_of for _ in out[j]]))
+        for j in lp_of:
+            lps[j] = [next(entries) for _ in out[j]]
+    return lps
 
 
 class SpecDecoder:
@@ -385,94 +503,12 @@ class SpecDecoder:
         the proposals' probabilities, one batched draw of the tokens the
         target adds; acceptance is a cumulative product over positions."""
         logits = logits.float()
-        dev = logits.device
-        rows: list[SampleRow] = []
-        at: list[int] = []  # logits row of each built row
-        starts: list[int] = []  # each sequence's first built row
-        n_rows: list[int] = []
-        for seq, first in items:
-            spec = seq.spec_tokens
-            k = len(spec)
-            starts.append(len(rows))
-            if seq.grammar is not None:
-                # the grammar's state moves with each proposal: its mask per
-                # position, on a fork, up to the first proposal it refuses (p(x) = 0 there)
-                g = seq.grammar.fork()
-                for i in range(k + 1):
-                    rows.append(make_row(seq, spec[:i], _FixedMask(g, logits.shape[-1], dev)))
-                    at.append(first + i)
-                    if i == k or not g.accept(spec[i]):
-                        break
-            else:
-                rows.extend(make_row(seq, spec[:i], None) for i in range(k + 1))
-                at.extend(range(first, first + k + 1))
-            n_rows.append(len(rows) - starts[-1])
-        processed = process_logits(logits[torch.tensor(at, device=dev)], rows)
+        rows, at, starts, n_rows = _verify_rows(items, logits.shape[-1], logits.device, make_row)
+        processed = process_logits(logits[torch.tensor(at, device=logits.device)], rows)
         targets = processed.argmax(dim=-1)
-
-        # the proposals judged per sequence (a grammar may refuse one early), padded to one width
-        width = max(min(len(seq.spec_tokens), n) for (seq, _), n in zip(items, n_rows))
-        spec_t = torch.zeros(len(items), max(width, 1), dtype=torch.long)
-        judged = torch.zeros(len(items), max(width, 1), dtype=torch.bool)
-        for j, ((seq, _), n) in enumerate(zip(items, n_rows)):
-            m = min(len(seq.spec_tokens), n)
-            spec_t[j, :m] = torch.tensor(seq.spec_tokens[:m], dtype=torch.long)
-            judged[j, :m] = True
-        spec_t, judged = spec_t.to(dev), judged.to(dev)
-        pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(spec_t.shape[1], device=dev)
-        pos = torch.where(judged, pos, 0)
-
-        greedy = torch.tensor([seq.params.greedy for seq, _ in items], device=dev).unsqueeze(1)
-        passed = targets[pos] == spec_t  # greedy: the proposal is the processed argmax
-        rand = [j for j, (seq, _) in enumerate(items) if not seq.params.greedy]
-        probs = None
-        if rand:
-            # sampled: accept x with probability p(x) (the proposal is a point mass q)
-            rand_rows = [r for j in rand for r in range(starts[j], starts[j] + n_rows[j])]
-            probs = torch.zeros(len(rows), logits.shape[-1], dtype=torch.float32, device=dev)
-            filtered = filtered_probs(processed, rows, rand_rows)
-            probs[torch.tensor(rand_rows, device=dev)] = filtered / filtered.sum(dim=-1, keepdim=True)
-            u = torch.ones(spec_t.shape, dtype=torch.float64)
-            for j in rand:  # as many as it judges: its stream must not depend on the batch
-                m = min(len(items[j][0].spec_tokens), n_rows[j])
-                u[j, :m] = _uniforms(items[j][0].generator, m)
-            u = u.to(dev)
-            passed = torch.where(greedy, passed, u < probs[pos, spec_t])
-        accepted = (passed & judged).long().cumprod(dim=1).sum(dim=1).tolist()
-        target_list = targets.tolist()
-
-        # the target's own token: the correction at the first rejection, or the
-        # bonus after all k; none when the grammar refused what came last
-        out: list[list[int]] = []
-        draws: list[tuple[int, int, int | None]] = []  # (sequence, row, proposal to remove)
-        for j, (seq, _) in enumerate(items):
-            a, spec = accepted[j], seq.spec_tokens
-            out.append(spec[:a])
-            if a == n_rows[j]:
-                continue
-            if seq.params.greedy:
-                out[j].append(target_list[starts[j] + a])
-            else:
-                draws.append((j, starts[j] + a, spec[a] if a < len(spec) else None))
-        if draws:
-            final = probs[torch.tensor([r for _, r, _ in draws], device=dev)]
-            removed = [(i, x) for i, (_, _, x) in enumerate(draws) if x is not None]
-            if removed:  # normalize(max(0, p - q)) for a point mass q at x
-                ri, rx = zip(*removed)
-                final[torch.tensor(ri, device=dev), torch.tensor(rx, device=dev)] = 0.0
-            for (j, _, _), t in zip(draws, draw(final, [items[j][0].generator for j, _, _ in draws]).tolist()):
-                out[j].append(t)
-
-        lp_of = [j for j, (seq, _) in enumerate(items) if seq.params.logprobs is not None and out[j]]
-        lps: list[list[TokenLogprobs | None]] = [[None] * len(o) for o in out]
-        if lp_of:
-            lp_rows = [items[j][1] + i for j in lp_of for i in range(len(out[j]))]
-            raw = torch.log_softmax(logits[torch.tensor(lp_rows, device=dev)], dim=-1)
-            ids = torch.tensor([t for j in lp_of for t in out[j]], dtype=torch.long)
-            entries = iter(logprob_entries(raw, ids, [items[j][0].params.logprobs for j in lp_of for _ in out[j]]))
-            for j in lp_of:
-                lps[j] = [next(entries) for _ in out[j]]
-
+        accepted, probs = _accept(items, processed, targets, rows, starts, n_rows)
+        out = _target_tokens(items, targets.tolist(), probs, accepted, starts, n_rows)
+        lps = _verified_logprobs(items, logits, out)
         verified = []
         for j, (seq, _) in enumerate(items):
             k = len(seq.spec_tokens)
@@ -521,19 +557,6 @@ class SpecDecoder:
 # ---- a draft model run by the core for a proposer ------------------------------------------
 
 
-class _DraftSeq:
-    """What the KV-cache manager and model runner read of a sequence."""
-
-    __slots__ = ("seq_id", "token_ids", "num_computed", "page_hashes", "spec_tokens")
-
-    def __init__(self, key: int) -> None:
-        self.seq_id = key
-        self.token_ids: list[int] = []
-        self.num_computed = 0
-        self.page_hashes: list[int] = []
-        self.spec_tokens: list[int] = []
-
-
 class DraftModelRunner:
     """A smaller model with its own page pool, KV-cache manager and model
     runner (``plinth.api.DraftRunner``); start-up builds it with the same
@@ -545,7 +568,7 @@ class DraftModelRunner:
         # its runner's pools have no prefix cache: a draft page is cheap to recompute,
         # and rollback must never leave a registered page holding another branch's K/V
         self.kv = KVCacheManager(runner.kv_groups, copy_pages=runner.copy_pages)
-        self.seqs: dict[int, _DraftSeq] = {}
+        self.seqs: dict[int, Sequence] = {}  # by the target sequence's id
 
     def forward(self, items: Seq[tuple[int, Seq[int]]]) -> list[torch.Tensor | None]:
         batch = ScheduledBatch()
@@ -553,7 +576,8 @@ class DraftModelRunner:
         for idx, (key, tokens) in enumerate(items):
             ds = self.seqs.get(key)
             if ds is None:
-                ds = self.seqs[key] = _DraftSeq(key)
+                # the draft's own sequence: pages and computed tokens, nothing sampled from it
+                ds = self.seqs[key] = Sequence(Request(f"draft-{key}", None, [], SamplingParams(max_tokens=1)), 0, [])
             tokens = list(tokens)
             keep = min(ds.num_computed, len(tokens) - 1)  # at least the last token runs, for its logits
             if ds.token_ids[:keep] != tokens[:keep]:

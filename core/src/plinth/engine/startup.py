@@ -23,6 +23,7 @@ import torch
 from plinth.api import (
     FUSED_OPS,
     OP_NAMES,
+    BackendDescriptor,
     LoadContext,
     ModelConfig,
     ModelSource,
@@ -77,6 +78,7 @@ class Components:
             "num_pages": self.num_pages,
             "page_size": self.config.page_size,
             "max_num_seqs": self.config.max_num_seqs,
+            "deterministic": self.config.deterministic,  # benchmarks record which mode a figure came from
             **({"step_plan": self.step_plan.describe()} if self.step_plan is not None else {}),
         }
 
@@ -351,8 +353,8 @@ class JoinWorld(Protocol):
         """Rendezvous, the process group, the TP/DP/EP groups."""
         ...
 
-    def agree_num_pages(self, num_pages: int) -> int:
-        """The smallest KV pool any rank can hold."""
+    def agree_num_pages(self, pages: list[int]) -> list[int]:
+        """Per KV-cache group, the fewest pages any rank can hold."""
         ...
 
 
@@ -398,7 +400,10 @@ def check_a2a(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
     chosen, which every rank builds (``build_a2a``)."""
     if config.ep == 1:
         return config
-    ctx = SelectionContext(tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=planned_layout(config, registry))
+    ctx = SelectionContext(
+        tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=planned_layout(config, registry),
+        deterministic=config.deterministic,
+    )  # fmt: skip
     entry = registry.select("a2a", config.a2a, ctx)
     log.info("a2a: %s for %s", entry.label(), ctx.layout)
     return dataclasses.replace(config, a2a=entry.name)
@@ -442,7 +447,9 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
     dtype = resolve_dtype(config.dtype, accelerator)
 
     source = locate_model(config.model, registry)
-    ctx = SelectionContext(accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep)
+    ctx = SelectionContext(
+        accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep, deterministic=config.deterministic
+    )
     loader_entry = choose_model_loader(registry, source, ctx)
     loader = loader_entry.load()()
     model_cfg = loader.load_config(source)
@@ -453,7 +460,13 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
     ctx.model = model_cfg
     backend_entry = registry.select("backend", config.backend, ctx, prefer=accelerator.info().preferred_backends)
     ops, op_sources = resolve_ops(registry, backend_entry, ctx)
-    tried = [backend_entry.name] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e is not backend_entry]
+    if first:  # what the mode holds this run to (the backends log each op they decline for it)
+        log.info(
+            "deterministic mode: %s (%s)", "on" if config.deterministic else "off",
+            "batch-invariant ops: tokens and logits do not depend on batch, chunking, page size, prefix cache, speculation"
+            if config.deterministic else "a request's tokens may depend on what runs beside it; --deterministic fixes them",
+        )  # fmt: skip
+    tried = [backend_entry.name] + [n for n in reference_backends(registry) if n != backend_entry.name]
     check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
     parallel: dict[str, Any] = {}
     a2a_bytes = 0
@@ -482,12 +495,7 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
         reserved=a2a_bytes + draft_weight_bytes(config),
     )  # fmt: skip
     if world is not None:
-        if len(plan.pages) > 1:  # the step payload carries one block table per sequence
-            raise ConfigError(
-                f"{model_cfg.architecture}: a model with {len(plan.pages)} KV-cache groups (sliding-window layers) "
-                "runs in one process only, for now"
-            )
-        plan = KVPoolPlan([world.agree_num_pages(plan.pages[0])], plan.page_bytes, plan.budget)
+        plan = KVPoolPlan(world.agree_num_pages(plan.pages), plan.page_bytes, plan.budget)
     if min(plan.pages) < 1:
         where = "" if world is None else " on some rank"
         raise ConfigError(f"no memory left for the KV cache{where} (budget {plan.budget} bytes, one page takes {sum(plan.page_bytes)})")
@@ -506,9 +514,12 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
 # ---- speculative decoding -----------------------------------------------------------------
 
 
-def _load_tokenizer(registry: PluginRegistry, ctx: SelectionContext, path: str) -> Any:
-    source = locate_model(path)
-    return choose_model_loader(registry, source, ctx).load()().load_tokenizer(source)
+def load_tokenizer(model: str, registry: PluginRegistry | None = None, ctx: SelectionContext | None = None) -> Any:
+    """The tokenizer (and chat template) a server of ``model`` uses, from its
+    model plugin, without loading weights (`platform router`, draft models)."""
+    registry = registry if registry is not None else PluginRegistry.discover()
+    source = locate_model(model, registry)
+    return choose_model_loader(registry, source, ctx if ctx is not None else SelectionContext()).load()().load_tokenizer(source)
 
 
 def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionContext, ops: Any, backend: str, num_pages: int, page_size: int) -> Any:
@@ -517,15 +528,18 @@ def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionCon
     target's size in tokens, KV-cache manager and model runner."""
     from plinth.engine.speculative import DraftModelRunner
 
+    if ctx.accelerator is None or ctx.dtype is None:
+        raise PluginError(f"the draft model {path} loads after the target: start-up sets the accelerator and dtype first")
+    device, dtype = ctx.accelerator.device(0), ctx.dtype
     try:
         source = locate_model(path)
         loader = choose_model_loader(registry, source, ctx).load()()
         cfg = loader.load_config(source)
-        tried = [backend] + [e.name for e in registry.entries["backend"] if e.descriptor.reference and e.name != backend]
+        tried = [backend] + [n for n in reference_backends(registry) if n != backend]
         check_required_ops(loader.required_ops(cfg), ops, tried, cfg.architecture)
-        model = loader.load_model(source, cfg, LoadContext(device=ctx.accelerator.device(0), dtype=ctx.dtype, ops=ops, progress=False))
+        model = loader.load_model(source, cfg, LoadContext(device=device, dtype=dtype, ops=ops, progress=False))
         runner = ModelRunner(
-            model, ops, cfg, device=ctx.accelerator.device(0), dtype=ctx.dtype, num_pages=num_pages, page_size=page_size,
+            model, ops, cfg, device=device, dtype=dtype, num_pages=num_pages, page_size=page_size,
             enable_caching=False,
         )
     except PluginError as exc:
@@ -534,6 +548,11 @@ def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionCon
         raise PluginError(f"the draft model {path} cannot load: {type(exc).__name__}: {exc}") from exc
     log.info("draft model %s: %s, %d layers, %d pages x %d tokens", path, cfg.architecture, cfg.num_layers, num_pages, page_size)
     return DraftModelRunner(runner, cfg.vocab_size)
+
+
+def reference_backends(registry: PluginRegistry) -> list[str]:
+    """Backends that implement every op (what an op a backend lacks falls back to)."""
+    return [e.name for e in registry.entries["backend"] if isinstance(e.descriptor, BackendDescriptor) and e.descriptor.reference]
 
 
 def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: SelectionContext, model_cfg: ModelConfig, tokenizer: Any, draft: dict[str, Any]) -> Any:
@@ -548,7 +567,7 @@ def build_spec_decoder(config: EngineConfig, registry: PluginRegistry, ctx: Sele
         speculative_model=config.speculative_model,
         model=model_cfg,
         tokenizer=tokenizer,
-        load_tokenizer=lambda path: _load_tokenizer(registry, ctx, path),
+        load_tokenizer=lambda path: load_tokenizer(path, registry, ctx),
         build_draft_runner=lambda path: build_draft_runner(path, **draft),
     )
     sctx = dataclasses.replace(ctx, speculative=pctx)

@@ -25,14 +25,17 @@ from plinth.engine.distributed import (
     RankJoin,
     check_supported,
     control,
+    decode_job,
     make_store,
-    metadata_from,
+    part_from,
     resolve_layout,
+    send_result,
     spawn_workers,
     stop_workers,
     unpack_step,
 )
 from plinth.engine.startup import start_process
+from plinth.errors import ConfigError
 from plinth.plugins import PluginRegistry
 
 log = logging.getLogger("plinth.worker")
@@ -68,14 +71,12 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, port: int) -> 
                 raise RuntimeError(f"rank {rank}: unknown control op {op}")
             payload = torch.empty(n, dtype=torch.long)
             dist.broadcast(payload, src=0, group=world.ctrl)
-            decode, mine, _ = unpack_step(payload, layout.dp, g.dp_rank)
-            if mine is None:
-                forward.run(None, None, [], [], decode)
-                continue
-            ids, meta, rows, copies = metadata_from(mine, config.page_size, started.device, decode)
-            logits = forward.run(ids, meta, rows, copies, decode)
-            if g.dp_rank > 0 and g.tp_rank == 0 and logits is not None:
-                dist.send(logits.contiguous(), dst=0, group=world.ctrl)
+            decode, mine = unpack_step(payload, layout.dp, g.dp_rank, forward.num_groups)
+            part = None if mine is None else part_from(mine, forward.runner, decode)
+            logits = forward.run(part, decode)
+            if part is not None and logits is not None and g.dp_rank > 0 and g.tp_rank == 0:
+                # this group's rows are sampled where their logits are: ids and logprobs go to rank 0
+                send_result(decode_job(part.job, logits.shape[-1]).run(logits, forward.sampler), world.ctrl)
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - reported, then a non-zero exit
@@ -92,10 +93,12 @@ def run_node(config: EngineConfig) -> int:
     """A node other than 0 (``--node-rank k``): run its ranks until rank 0 stops them."""
     layout = resolve_layout(config)
     check_supported(config, layout)
+    if config.master_port is None:
+        raise ConfigError("a node other than 0 needs --master-port (rank 0's)")
     per_node = layout.world // config.nnodes
-    procs = spawn_workers(config, layout, config.node_rank, int(config.master_port))
+    procs = spawn_workers(config, layout, config.node_rank, config.master_port)
     try:
-        return worker_main(config, config.node_rank * per_node, 0, int(config.master_port))
+        return worker_main(config, config.node_rank * per_node, 0, config.master_port)
     finally:
         stop_workers(procs, kill=False, timeout=10)
 

@@ -193,8 +193,22 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         redoc_url=None,
     )
     app.state.ctx = ctx
+    install_error_handlers(app)
+    # every generating route goes through the one pipeline; the route modules hold their protocol's shapes
+    pipeline = GenerationPipeline(ctx)
+    app.include_router(openai_api.router(openai_api.OpenAIServing(ctx, pipeline)))
+    app.include_router(anthropic_api.router(anthropic_api.AnthropicServing(ctx, pipeline)))
+    app.include_router(responses_api.router(responses_api.ResponsesServing(ctx, pipeline)))
+    transfer = engine.kv_transfer()
+    add_service_routes(app, ctx, transfer)
+    # the document states the errors, this server's model names and limits (server/openapi.py)
+    openapi.install(app, settings.served_model_names, engine.max_model_len, engine.model_config.vocab_size)
+    add_middleware(app, ctx, transfer)
+    return app
 
-    # ---- errors: never a 500 for bad input --------------------------------------------
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Errors in the protocol's shape: never a 500 for bad input."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -223,15 +237,10 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
         return _error_response(request.url.path, err)
 
-    # ---- routes ----------------------------------------------------------------------
 
-    # every generating route goes through the one pipeline; the route modules hold their protocol's shapes
-    pipeline = GenerationPipeline(ctx)
-    app.include_router(openai_api.router(openai_api.OpenAIServing(ctx, pipeline)))
-    app.include_router(anthropic_api.router(anthropic_api.AnthropicServing(ctx, pipeline)))
-    app.include_router(responses_api.router(responses_api.ResponsesServing(ctx, pipeline)))
-
-    transfer = engine.kv_transfer()
+def add_service_routes(app: FastAPI, ctx: ServingContext, transfer: Any) -> None:
+    """/health, /ready, /metrics, /version, /tokenize and /detokenize."""
+    engine, settings = ctx.engine, ctx.settings
 
     @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def health() -> Response:
@@ -302,14 +311,12 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         ids = ctx.check_prompt_ids(req.tokens, "tokens")
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(ids, skip_special_tokens=False))
 
-    # the document states the errors, this server's model names and limits (server/openapi.py)
-    openapi.install(app, settings.served_model_names, engine.max_model_len, engine.model_config.vocab_size)
 
-    # ---- middleware (the last added runs first) ----------------------------------------
-
+def add_middleware(app: FastAPI, ctx: ServingContext, transfer: Any) -> None:
+    """The last added runs first: metrics, then the guard (API key, body size), then the KV save barrier."""
+    settings = ctx.settings
     if transfer is not None and getattr(transfer, "role", "") == "kv_producer":
         app.add_middleware(KVSaveBarrierMiddleware, transfer=transfer)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_request_body_bytes)
     if ctx.metrics is not None:
         app.add_middleware(MetricsMiddleware, counter=ctx.metrics.http_requests)
-    return app

@@ -52,7 +52,7 @@ from plinth.server.protocol import (
     Usage,
 )
 from plinth.server.serving import STREAM_RESPONSE, ServingContext, clamp_logprob, now_s, random_id, sse
-from plinth.server.tools import arguments_object, openai_tools, plan_tools
+from plinth.server.tools import ToolPlan, arguments_object, openai_tools, plan_tools
 
 MAX_TOP_LOGPROBS = 20
 
@@ -98,6 +98,13 @@ def chat_messages(messages: list[ChatMessage], param: str = "messages", *, nativ
                 msg["content"] = f"{text}\n{shown}" if text else shown
         out.append(msg)
     return out
+
+
+def chat_tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+    """A chat request's tools and tool_choice as a plan (what the template shows, what the parser reads)."""
+    tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
+    mode, named = tool_choice_of(req.tool_choice)
+    return plan_tools(tools, mode, named, req.parallel_tool_calls is not False)
 
 
 def tool_choice_of(choice: Any) -> tuple[str | None, str | None]:
@@ -256,8 +263,6 @@ class OpenAIServing:
                 )
             if not req.logprobs and req.top_logprobs > 0:
                 raise APIError.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
-        tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
-        mode, named = tool_choice_of(req.tool_choice)
         spec = GenerationSpec(
             request_id=random_id("chatcmpl-"),
             messages=chat_messages(req.messages, native_tool_calls=ctx.native_tool_calls),
@@ -269,7 +274,7 @@ class OpenAIServing:
             response_format=req.response_format,
             guided_json=req.guided_json,
             guided_regex=req.guided_regex,
-            plan=plan_tools(tools, mode, named, req.parallel_tool_calls is not False),
+            plan=chat_tool_plan(req),
         )
         run = await self.pipeline.start(spec)
         rid, created = spec.request_id, now_s()

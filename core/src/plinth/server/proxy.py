@@ -25,9 +25,9 @@ error (4xx) from the prefill instance is the client's answer.
 import argparse
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from typing import Any
 
-from plinth.server.replicas import Replica, ReplicaSet
+from plinth.server.replicas import Replica, ReplicaSet, forward_headers, open_stream, relay
 
 log = logging.getLogger("plinth.proxy")
 
@@ -38,8 +38,6 @@ ROUTES = {
     "/v1/messages": ("max_tokens",),
     "/v1/responses": ("max_output_tokens",),
 }
-#: hop-by-hop headers (RFC 9110) and those httpx sets itself
-_DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "accept-encoding"}
 
 
 def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -59,8 +57,7 @@ def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
 def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 600.0) -> Any:
     import httpx
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.background import BackgroundTask
+    from fastapi.responses import JSONResponse, Response
 
     pre, dec = ReplicaSet(prefill), ReplicaSet(decode)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
@@ -89,9 +86,6 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
             task.cancel()
         if "client" in state:
             await state["client"].aclose()
-
-    def forward_headers(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
 
     async def run_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> Response | None:
         """None when the prefill went through (or failed on its side); a response for a client error."""
@@ -125,43 +119,21 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
             return JSONResponse({"error": {"message": "the body is not valid JSON", "type": "invalid_request_error"}}, 400)
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "the body must be a JSON object", "type": "invalid_request_error"}}, 400)
-        headers = forward_headers(request)
+        headers = forward_headers(request.headers)
         early = await run_prefill(path, body, headers)
         if early is not None:
             return early
         up = dec.least_loaded()
-        up.inflight += 1
         try:
-            req = client().build_request("POST", up.url + path, json=body, headers=headers)
-            r = await client().send(req, stream=True)
+            r = await open_stream(client(), up, path, body, headers)
         except httpx.HTTPError as exc:
-            up.inflight -= 1
-            up.failed += 1
             if isinstance(exc, httpx.TransportError):
                 dec.mark_down(up, f"{type(exc).__name__}: {exc}")
             return JSONResponse(
                 {"error": {"message": f"decode instance {up.url} failed: {type(exc).__name__}: {exc}", "type": "server_error"}},
                 502,
             )
-
-        closed = []
-
-        async def close() -> None:  # once, from whichever of the two runs first
-            if not closed:
-                closed.append(True)
-                up.inflight -= 1
-                await r.aclose()
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in r.aiter_raw():
-                    yield chunk
-                up.served += 1
-            finally:
-                await close()
-
-        keep = {k: v for k, v in r.headers.items() if k.lower() not in _DROP and k.lower() != "content-encoding"}
-        return StreamingResponse(relay(), status_code=r.status_code, headers=keep, background=BackgroundTask(close))
+        return relay(up, r, dec)
 
     for route in ROUTES:
         app.add_api_route(route, generate, methods=["POST"])
@@ -169,7 +141,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         up = dec.least_loaded()
-        r = await client().get(up.url + "/v1/models", headers=forward_headers(request))
+        r = await client().get(up.url + "/v1/models", headers=forward_headers(request.headers))
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     @app.get("/health")

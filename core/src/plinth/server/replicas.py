@@ -6,7 +6,9 @@ for the vLLM-named gauges llm-d's scorers read (``vllm:num_requests_waiting``,
 ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``). A request that
 cannot reach a replica marks it down at once; a down replica keeps being
 polled and comes back with its first healthy answer. Requests in flight
-through this front are counted here, fresher than any scrape.
+through this front are counted here, fresher than any scrape: a request
+counts from ``open_stream`` until ``relay`` has passed its answer on (or the
+client left), one piece of code for both fronts.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 log = logging.getLogger("plinth.replicas")
+
+#: hop-by-hop headers (RFC 9110) and those httpx sets itself: never forwarded
+HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "accept-encoding"})
 
 #: the gauges read from a replica's /metrics (vLLM's names: any vLLM-compatible server)
 SCRAPED = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running", "vllm:kv_cache_usage_perc": "kv_usage"}
@@ -124,3 +129,58 @@ class ReplicaSet:
                     "waiting": r.waiting, "running": r.running, "kv_usage": r.kv_usage}  # fmt: skip
             for r in self.replicas
         }
+
+
+def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """A client's request headers as passed on to a replica."""
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+
+
+async def open_stream(client: Any, up: Replica, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    """POST ``body`` to ``up`` and return its response once the headers are in
+    (the body still to stream). The request counts in ``up.inflight`` from here
+    until ``relay`` ends; on failure it no longer counts and ``up.failed`` grows."""
+    up.inflight += 1
+    try:
+        return await client.send(client.build_request("POST", up.url + path, json=body, headers=headers), stream=True)
+    except BaseException:
+        up.inflight -= 1
+        up.failed += 1
+        raise
+
+
+def relay(up: Replica, r: Any, replicas: ReplicaSet, outcome: Callable[[Replica, str], None] | None = None) -> Any:
+    """A response that streams ``r`` (from ``open_stream``) to the client as it
+    arrives, unchanged. When it ends, or the client leaves, the request stops
+    counting in ``up.inflight``; a replica that dies mid-answer is marked down
+    (the client sees a cut stream). ``outcome(up, "ok" | "cut" | status)`` once
+    the body has been passed on or cut."""
+    import httpx
+    from starlette.background import BackgroundTask
+    from starlette.responses import StreamingResponse
+
+    closed: list[bool] = []
+
+    async def close() -> None:  # once, from whichever of the two runs first
+        if not closed:
+            closed.append(True)
+            up.inflight -= 1
+            await r.aclose()
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in r.aiter_raw():
+                yield chunk
+            up.served += 1
+            if outcome is not None:
+                outcome(up, "ok" if r.status_code < 400 else str(r.status_code))
+        except httpx.HTTPError as exc:
+            up.failed += 1
+            if outcome is not None:
+                outcome(up, "cut")
+            replicas.mark_down(up, f"{type(exc).__name__} mid-answer")
+        finally:
+            await close()
+
+    keep = {k: v for k, v in r.headers.items() if k.lower() not in HOP_HEADERS and k.lower() != "content-encoding"}
+    return StreamingResponse(body(), status_code=r.status_code, headers=keep, background=BackgroundTask(close))

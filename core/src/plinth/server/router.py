@@ -2,7 +2,7 @@
 
     platform serve MODEL --port 8001 --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
     platform serve MODEL --port 8002 --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5558"}'
-    platform router --replicas http://127.0.0.1:8001 http://127.0.0.1:8002 \\
+    platform router --model MODEL --replicas http://127.0.0.1:8001 http://127.0.0.1:8002 \\
         --kv-events tcp://127.0.0.1:5557 tcp://127.0.0.1:5558 --port 8000
 
 Each request is scored per healthy replica the way llm-d's inference
@@ -13,9 +13,12 @@ llm-d's precise-prefix-cache sample):
   longest prefix first, known from the replica's own KV events (vLLM's
   format: any vLLM-compatible engine). Block keys are computed here from the
   token ids each ``BlockStored`` carries, chained over the parent's key, and
-  from the request's tokens (the replica's ``/tokenize``) the same way, as
-  llm-d's KV-cache indexer does: the engine's own hash never needs to be
-  reproduced;
+  from the request's tokens the same way, as llm-d's KV-cache indexer does:
+  the engine's own hash never needs to be reproduced. The request's tokens
+  are computed here (``PromptTokens``: the replicas' model's tokenizer,
+  ``--model``, and the server's own parsing and chat template), or by a
+  replica's ``/tokenize`` when the router cannot load that model; lost event
+  batches are asked for again on the replica's replay socket;
 - KV-cache use: ``1 - vllm:kv_cache_usage_perc`` from the replica's /metrics;
 - queue: ``(max - q) / (max - min)`` over the replicas (1 when all equal),
   ``q`` the replica's waiting + running requests, or the requests in flight
@@ -25,7 +28,7 @@ The best score wins, ties in turn. The request is passed through unchanged
 and its answer streamed back as it arrives. A replica that cannot be reached
 is marked down at once (the next-best replica gets the request), dropped from
 scoring, its prefix index cleared, and polled until it is healthy again
-(``plinth.server.replicas``). ``--policy round-robin | least-loaded`` turn
+(``plinth.server.replicas``, whose relay both fronts use). ``--policy round-robin | least-loaded`` turn
 scoring off (for comparison). /health and /metrics are the router's own.
 """
 
@@ -36,11 +39,11 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, AsyncIterator
+from typing import Any, Callable
 
 from plinth.engine.block_manager import hash_page
-from plinth.server.proxy import _DROP, ROUTES
-from plinth.server.replicas import Replica, ReplicaSet
+from plinth.server.proxy import ROUTES
+from plinth.server.replicas import Replica, ReplicaSet, forward_headers, open_stream, relay
 
 log = logging.getLogger("plinth.router")
 
@@ -103,6 +106,7 @@ class PrefixIndex:
     def clear_locked(self) -> None:
         self.keys.clear()
         self.by_hash.clear()
+        self.last_seq = -1  # a restarted replica numbers its batches from 0 again
 
     def matched(self, keys: list[int]) -> int:
         """How many of ``keys`` (a request's blocks, in order) it holds, as a prefix."""
@@ -128,11 +132,28 @@ def request_keys(tokens: list[int], block_size: int) -> list[int]:
 
 
 class EventSubscriber:
-    """A thread per replica: SUB on its KV-event endpoint, feeding its ``PrefixIndex``."""
+    """A thread per replica: SUB on its KV-event endpoint, feeding its ``PrefixIndex``.
 
-    def __init__(self, endpoint: str, index: PrefixIndex) -> None:
+    Batches carry a sequence number; a gap (batches lost: a full queue or
+    high-water mark, a slow joiner, the router started after the replica) is
+    filled from the replica's replay socket when one is given, as vLLM's
+    replay protocol defines it: a DEALER sends ``[b"", start_seq]`` and gets
+    ``[b"", seq, payload]`` for every buffered batch from ``start_seq`` on,
+    then ``seq == -1``. Without a replay socket the loss is only logged.
+    With one, the subscriber also starts by replaying everything the replica
+    still buffers, so a router started after its replicas knows their caches.
+    ``drop`` (tests) discards the sequence numbers it is true for, as if lost.
+    """
+
+    REPLAY_TIMEOUT_MS = 2000
+
+    def __init__(self, endpoint: str, index: PrefixIndex, replay: str | None = None, *, drop: Callable[[int], bool] | None = None) -> None:
         self.endpoint = endpoint
+        self.replay_endpoint = replay
         self.index = index
+        self.drop = drop
+        self.replayed = 0  # batches applied from the replay socket
+        self.lost = 0  # batches neither received nor replayed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-sub {endpoint}", daemon=True)
         self._thread.start()
@@ -141,11 +162,18 @@ class EventSubscriber:
         import msgspec
         import zmq
 
-        sock = zmq.Context.instance().socket(zmq.SUB)
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(self.endpoint)
+        replay = None
+        if self.replay_endpoint:
+            replay = ctx.socket(zmq.DEALER)
+            replay.connect(self.replay_endpoint)
         decode = msgspec.msgpack.Decoder().decode
         try:
+            if replay is not None:  # what the replica cached before this router started (or reconnected)
+                self._fill_gap(replay, None, decode)
             while not self._stop.is_set():
                 if not sock.poll(200):
                     continue
@@ -153,15 +181,55 @@ class EventSubscriber:
                 if len(parts) != 3:
                     continue
                 seq = int.from_bytes(parts[1], "big")
-                if self.index.last_seq >= 0 and seq != self.index.last_seq + 1:
-                    log.warning("KV events from %s: batches %d..%d lost", self.endpoint, self.index.last_seq + 1, seq - 1)
-                self.index.last_seq = seq
-                try:
-                    self.index.apply(decode(parts[2]))
-                except Exception as exc:  # noqa: BLE001 - a bad batch must not stop the subscriber
-                    log.warning("KV events from %s: undecodable batch %d: %s", self.endpoint, seq, exc)
+                if self.drop is not None and self.drop(seq):
+                    continue
+                ix = self.index
+                if seq <= ix.last_seq:
+                    if seq != 0:  # already applied from a replay
+                        continue
+                    log.warning("KV events from %s: sequence restarted (the replica restarted): its index starts over", self.endpoint)
+                    ix.clear()
+                if seq > ix.last_seq + 1:
+                    self._fill_gap(replay, seq, decode)
+                self._apply(seq, parts[2], decode)
         finally:
             sock.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+
+    def _apply(self, seq: int, payload: bytes, decode: Callable[[bytes], Any]) -> None:
+        try:
+            self.index.apply(decode(payload))
+        except Exception as exc:  # noqa: BLE001 - a bad batch must not stop the subscriber
+            log.warning("KV events from %s: undecodable batch %d: %s", self.endpoint, seq, exc)
+        self.index.last_seq = seq
+
+    def _fill_gap(self, replay: Any, seq: int | None, decode: Callable[[bytes], Any]) -> None:
+        """Apply batches ``last_seq + 1 .. seq - 1`` (None: all) from the replay socket (those it still buffers)."""
+        first = self.index.last_seq + 1
+        if replay is not None:
+            replay.send_multipart([b"", first.to_bytes(8, "big")])
+            while replay.poll(self.REPLAY_TIMEOUT_MS):
+                frames = replay.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                n = int.from_bytes(frames[1], "big", signed=True)
+                if n == -1:
+                    break
+                if self.index.last_seq < n and (seq is None or n < seq):
+                    self._apply(n, frames[2], decode)
+                    self.replayed += 1
+            else:
+                log.warning("KV events from %s: the replay socket %s did not answer", self.endpoint, self.replay_endpoint)
+        if seq is None:
+            return
+        missing = seq - 1 - self.index.last_seq
+        if missing > 0:
+            self.lost += missing
+            log.warning(
+                "KV events from %s: batches %d..%d lost%s", self.endpoint, seq - missing, seq - 1,
+                "" if replay is not None else " (no replay endpoint to ask)",
+            )  # fmt: skip
 
     def stop(self) -> None:
         self._stop.set()
@@ -198,8 +266,59 @@ class Scorer:
         return [first] + sorted((x for x in out if x is not first), key=lambda x: -x[0])
 
 
-def _prompt_of(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-    """What to send to a replica's /tokenize for this request (None: nothing to score by)."""
+class PromptTokens:
+    """A request's prompt token ids, computed here exactly as a replica
+    computes them: its model's tokenizer (loaded once, by its model plugin)
+    and the server's own request parsing and chat-template rendering, so the
+    block keys match the replicas' KV events. None when the request has no
+    single prompt to score by or is invalid (the replica answers the error)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.native_tool_calls = "tool_calls" in (getattr(tokenizer, "chat_template", None) or "")
+
+    def __call__(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        from pydantic import ValidationError
+
+        from plinth.errors import PlinthError
+        from plinth.server.errors import APIError
+
+        try:
+            return self._tokens(path, body)
+        except (APIError, ValidationError, PlinthError, ValueError, TypeError, KeyError):
+            return None
+
+    def _tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        from plinth.server.anthropic_api import anthropic_messages, tool_plan
+        from plinth.server.openai_api import chat_messages, chat_tool_plan
+        from plinth.server.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest
+        from plinth.server.serving import encode_text, render_chat
+        from plinth.server.tools import template_tools
+
+        if path == "/v1/completions":
+            p = CompletionRequest.model_validate(body).prompt
+            if isinstance(p, str):
+                return encode_text(self.tokenizer, p)
+            if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+                return list(p)  # type: ignore[arg-type]
+            return None  # a batch of prompts: nothing single to score by
+        if path == "/v1/chat/completions":
+            chat = ChatCompletionRequest.model_validate(body)
+            messages = chat_messages(chat.messages, native_tool_calls=self.native_tool_calls)
+            plan, add_generation_prompt, template_kwargs = chat_tool_plan(chat), chat.add_generation_prompt, chat.chat_template_kwargs
+        elif path == "/v1/messages":
+            msg = MessagesRequest.model_validate(body)
+            messages = anthropic_messages(msg.system, msg.messages, native_tool_calls=self.native_tool_calls)
+            plan, add_generation_prompt, template_kwargs = tool_plan(msg), True, None
+        else:
+            return None
+        tools = template_tools(plan.tools) if plan.tools else None
+        _, ids = render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs, tools=tools)
+        return ids
+
+
+def _tokenize_request(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The fallback: what to send to a replica's /tokenize for this request (None: nothing to score by)."""
     if path == "/v1/completions":
         p = body.get("prompt")
         if isinstance(p, str):
@@ -227,115 +346,139 @@ def _text_message(m: dict[str, Any]) -> dict[str, Any]:
     return {"role": m.get("role", "user"), "content": content if isinstance(content, str) else ""}
 
 
-def build_router_app(
-    urls: list[str],
-    events: list[str] | None = None,
-    *,
-    policy: str = "prefix",
-    prefix_weight: float = 2.0,
-    kv_cache_weight: float = 1.0,
-    queue_weight: float = 1.0,
-    interval: float = 1.0,
-    timeout: float = 600.0,
-) -> Any:
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-    from prometheus_client import Counter as PCounter
-    from starlette.background import BackgroundTask
+class RouterMetrics:
+    """The router's own /metrics."""
 
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
-    if events and len(events) != len(urls):
-        raise ValueError(f"--kv-events needs one endpoint per replica ({len(urls)}), got {len(events)}")
-    replicas = ReplicaSet(urls, interval=interval, scrape_metrics=policy == "prefix")
-    indexes = {r.url: PrefixIndex() for r in replicas.replicas}
-    replicas.on_down.append(lambda r: indexes[r.url].clear())  # a replica that restarts comes back empty
-    scorer = Scorer(replicas, indexes, prefix=prefix_weight, kv_cache=kv_cache_weight, queue=queue_weight)
-    subscribers: list[EventSubscriber] = []
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    state: dict[str, Any] = {}
+    def __init__(self, replicas: ReplicaSet) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, Histogram
+        from prometheus_client import Counter as PCounter
 
-    reg = CollectorRegistry()
-    m_requests = PCounter("plinth_router:requests", "Requests routed, by replica and outcome.", ["replica", "outcome"], registry=reg)
-    m_matched = PCounter("plinth_router:prefix_matched_blocks", "Blocks of routed requests the chosen replica held.", registry=reg)
-    m_blocks = PCounter("plinth_router:prefix_request_blocks", "Full blocks of routed requests.", registry=reg)
-    m_pick = Histogram("plinth_router:routing_seconds", "Time to choose a replica (tokenize + score).", registry=reg,
-                       buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))  # fmt: skip
-    m_up = Gauge("plinth_router:replica_healthy", "1 while the replica answers /health.", ["replica"], registry=reg)
-    m_inflight = Gauge("plinth_router:replica_inflight", "Requests in flight to the replica.", ["replica"], registry=reg)
-    for r in replicas.replicas:
-        m_up.labels(r.url).set_function(lambda r=r: 1.0 if r.healthy else 0.0)
-        m_inflight.labels(r.url).set_function(lambda r=r: float(r.inflight))
+        self.registry = reg = CollectorRegistry()
+        self.requests = PCounter("plinth_router:requests", "Requests routed, by replica and outcome.", ["replica", "outcome"], registry=reg)
+        self.matched = PCounter("plinth_router:prefix_matched_blocks", "Blocks of routed requests the chosen replica held.", registry=reg)
+        self.blocks = PCounter("plinth_router:prefix_request_blocks", "Full blocks of routed requests.", registry=reg)
+        self.pick = Histogram("plinth_router:routing_seconds", "Time to choose a replica (tokenize + score).", registry=reg,
+                              buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))  # fmt: skip
+        up = Gauge("plinth_router:replica_healthy", "1 while the replica answers /health.", ["replica"], registry=reg)
+        inflight = Gauge("plinth_router:replica_inflight", "Requests in flight to the replica.", ["replica"], registry=reg)
+        for r in replicas.replicas:
+            up.labels(r.url).set_function(lambda r=r: 1.0 if r.healthy else 0.0)
+            inflight.labels(r.url).set_function(lambda r=r: float(r.inflight))
 
-    def client() -> httpx.AsyncClient:
-        if "client" not in state:
-            state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0), limits=limits)
-        return state["client"]
+    def outcome(self, up: Replica, outcome: str) -> None:
+        self.requests.labels(up.url, outcome).inc()
 
-    app = FastAPI(title="plinth router", docs_url=None, redoc_url=None)
-    app.state.replicas = replicas
-    app.state.indexes = indexes
+    def page(self) -> bytes:
+        from prometheus_client import generate_latest
 
-    for url, ep in zip(urls, events or []):
-        subscribers.append(EventSubscriber(ep, indexes[url.rstrip("/")]))
+        return generate_latest(self.registry)
 
-    def ensure_polling() -> None:
+
+class Router:
+    """What the routes share: the replicas, their prefix indexes and event
+    subscribers, the scorer, the prompt tokenizer and one HTTP client."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        events: list[str] | None,
+        replay: list[str] | None,
+        *,
+        policy: str,
+        weights: tuple[float, float, float],
+        interval: float,
+        timeout: float,
+        tokenizer: Any,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        for name, eps in (("--kv-events", events), ("--kv-events-replay", replay)):
+            if eps and len(eps) != len(urls):
+                raise ValueError(f"{name} needs one endpoint per replica ({len(urls)}), got {len(eps)}")
+        if replay and not events:
+            raise ValueError("--kv-events-replay needs --kv-events")
+        self.policy = policy
+        self.timeout = timeout
+        self.replicas = ReplicaSet(urls, interval=interval, scrape_metrics=policy == "prefix")
+        self.indexes = {r.url: PrefixIndex() for r in self.replicas.replicas}
+        self.replicas.on_down.append(lambda r: self.indexes[r.url].clear())  # a replica that restarts comes back empty
+        self.scorer = Scorer(self.replicas, self.indexes, prefix=weights[0], kv_cache=weights[1], queue=weights[2])
+        self.metrics = RouterMetrics(self.replicas)
+        self.prompt_tokens = PromptTokens(tokenizer) if tokenizer is not None else None
+        if events and self.prompt_tokens is None:
+            log.warning("prompts are tokenized by the replicas' /tokenize (one more round trip per request): the router has no tokenizer of their model (--model)")
+        self.subscribers = [
+            EventSubscriber(ep, self.indexes[r.url], (replay or [None] * len(urls))[i])
+            for i, (r, ep) in enumerate(zip(self.replicas.replicas, events or []))
+        ]
+        self.scores_prefix = bool(events)
+        self._client: Any = None
+        self._poller: asyncio.Task[None] | None = None
+
+    def client(self) -> Any:
+        import httpx
+
+        if self._client is None:
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=2.0), limits=limits)
+        return self._client
+
+    def ensure_polling(self) -> None:
         """The health/metrics poller, started on the first request or at start-up, whichever comes first."""
-        if "poller" not in state:
-            state["poller"] = asyncio.get_running_loop().create_task(replicas.run(client()))
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self.replicas.run(self.client()))
 
-    @app.on_event("startup")
-    async def _start() -> None:
-        ensure_polling()
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
-        if "poller" in state:
-            state["poller"].cancel()
-        for s in subscribers:
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for s in self.subscribers:
             s.stop()
-        if "client" in state:
-            await state["client"].aclose()
+        if self._client is not None:
+            await self._client.aclose()
 
-    def forward_headers(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
+    async def tokens(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> list[int] | None:
+        """The request's prompt tokens: computed here, else by a replica's /tokenize."""
+        import httpx
 
-    async def tokens_of(path: str, body: dict[str, Any], headers: dict[str, str]) -> list[int] | None:
-        doc = _prompt_of(path, body)
+        if self.prompt_tokens is not None:
+            return await asyncio.to_thread(self.prompt_tokens, path, body)  # off the loop: streams keep flowing
+        doc = _tokenize_request(path, body)
         if doc is None:
             return None
         if "tokens" in doc:
             return doc["tokens"]
-        r = replicas.round_robin()
         try:
-            resp = await client().post(r.url + "/tokenize", json=doc, headers=headers, timeout=5.0)
+            resp = await self.client().post(self.replicas.round_robin().url + "/tokenize", json=doc, headers=headers, timeout=5.0)
             if resp.status_code == 200:
                 return list(resp.json().get("tokens") or [])
         except (httpx.HTTPError, ValueError):
             pass
         return None  # routed without prefix affinity
 
-    async def candidates(path: str, body: dict[str, Any], headers: dict[str, str]) -> list[Replica]:
-        if policy == "round-robin":
-            first = replicas.round_robin()
-        elif policy == "least-loaded":
-            first = replicas.least_loaded()
+    async def candidates(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> list[Replica]:
+        """The replicas to try, best first."""
+        if self.policy == "round-robin":
+            first = self.replicas.round_robin()
+        elif self.policy == "least-loaded":
+            first = self.replicas.least_loaded()
         else:
             t0 = time.perf_counter()
-            toks = await tokens_of(path, body, headers) if events else None
-            ranked = scorer.score(toks)
-            m_pick.observe(time.perf_counter() - t0)
-            bs = scorer.block_size()
+            toks = await self.tokens(path, body, headers) if self.scores_prefix else None
+            ranked = self.scorer.score(toks)
+            self.metrics.pick.observe(time.perf_counter() - t0)
+            bs = self.scorer.block_size()
             if toks and bs:
-                m_blocks.inc(len(toks) // bs)
-                m_matched.inc(ranked[0][2])
+                self.metrics.blocks.inc(len(toks) // bs)
+                self.metrics.matched.inc(ranked[0][2])
             return [r for _, r, _ in ranked]
-        return [first] + [r for r in replicas.up() if r is not first]
+        return [first] + [r for r in self.replicas.up() if r is not first]
 
-    async def generate(request: Request) -> Response:
-        ensure_polling()
+    async def generate(self, request: Any) -> Any:
+        """Every generation route: the best replica that can be reached gets the request, unchanged."""
+        import httpx
+        from fastapi.responses import JSONResponse
+
+        self.ensure_polling()
         path = request.url.path
         try:
             body = await request.json()
@@ -343,75 +486,95 @@ def build_router_app(
             return JSONResponse({"error": {"message": "the body is not valid JSON", "type": "invalid_request_error"}}, 400)
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "the body must be a JSON object", "type": "invalid_request_error"}}, 400)
-        headers = forward_headers(request)
+        headers = forward_headers(request.headers)
         last = "no replica"
-        for up in await candidates(path, body, headers):
-            up.inflight += 1
+        for up in await self.candidates(path, body, headers):
             try:
-                req = client().build_request("POST", up.url + path, json=body, headers=headers)
-                r = await client().send(req, stream=True)
+                r = await open_stream(self.client(), up, path, body, headers)
             except httpx.HTTPError as exc:  # nothing reached the client yet: the next replica gets it
-                up.inflight -= 1
-                up.failed += 1
-                m_requests.labels(up.url, "unreachable").inc()
+                self.metrics.outcome(up, "unreachable")
                 last = f"{up.url}: {type(exc).__name__}: {exc}"
-                replicas.mark_down(up, last)
+                self.replicas.mark_down(up, last)
                 continue
-            return _relay(up, r)
+            return relay(up, r, self.replicas, self.metrics.outcome)
         return JSONResponse({"error": {"message": f"no replica could take the request ({last})", "type": "server_error"}}, 502)
 
-    def _relay(up: Replica, r: Any) -> Response:
-        closed: list[bool] = []
+    async def models(self, request: Any) -> Any:
+        import httpx
+        from fastapi.responses import JSONResponse, Response
 
-        async def close() -> None:  # once, from whichever of the two runs first
-            if not closed:
-                closed.append(True)
-                up.inflight -= 1
-                await r.aclose()
-
-        async def relay() -> AsyncIterator[bytes]:
+        for up in self.replicas.up():
             try:
-                async for chunk in r.aiter_raw():
-                    yield chunk
-                up.served += 1
-                m_requests.labels(up.url, "ok" if r.status_code < 400 else str(r.status_code)).inc()
-            except httpx.HTTPError as exc:  # the replica died mid-answer: the client sees a cut stream
-                up.failed += 1
-                m_requests.labels(up.url, "cut").inc()
-                replicas.mark_down(up, f"{type(exc).__name__} mid-answer")
-            finally:
-                await close()
+                r = await self.client().get(up.url + "/v1/models", headers=forward_headers(request.headers), timeout=5.0)
+            except httpx.HTTPError as exc:
+                self.replicas.mark_down(up, f"{type(exc).__name__}: {exc}")
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        return JSONResponse({"error": {"message": "no replica answers", "type": "server_error"}}, 502)
 
-        keep = {k: v for k, v in r.headers.items() if k.lower() not in _DROP and k.lower() != "content-encoding"}
-        return StreamingResponse(relay(), status_code=r.status_code, headers=keep, background=BackgroundTask(close))
+    def health(self) -> tuple[dict[str, Any], int]:
+        """ok when every replica is healthy, degraded (200) while one is, unavailable (503) when none is."""
+        self.ensure_polling()
+        n = sum(r.healthy for r in self.replicas.replicas)
+        status = "ok" if n == len(self.replicas.replicas) else "degraded" if n else "unavailable"
+        doc = {"status": status, "policy": self.policy, "tokenizer": "router" if self.prompt_tokens is not None else "replicas",
+               "replicas": self.replicas.stats(),
+               "prefix_index": {u: {"blocks": len(ix.keys), "batches": ix.batches, "last_seq": ix.last_seq} for u, ix in self.indexes.items()}}  # fmt: skip
+        return doc, 200 if n else 503
+
+
+def build_router_app(
+    urls: list[str],
+    events: list[str] | None = None,
+    *,
+    replay: list[str] | None = None,
+    policy: str = "prefix",
+    prefix_weight: float = 2.0,
+    kv_cache_weight: float = 1.0,
+    queue_weight: float = 1.0,
+    interval: float = 1.0,
+    timeout: float = 600.0,
+    tokenizer: Any = None,
+) -> Any:
+    """The router's FastAPI app; ``tokenizer``: the replicas' model's (None: their /tokenize)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+
+    router = Router(
+        urls, events, replay, policy=policy, weights=(prefix_weight, kv_cache_weight, queue_weight), interval=interval,
+        timeout=timeout, tokenizer=tokenizer,
+    )  # fmt: skip
+    app = FastAPI(title="plinth router", docs_url=None, redoc_url=None)
+    app.state.router = router
+    app.state.replicas = router.replicas
+    app.state.indexes = router.indexes
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        router.ensure_polling()
+
+    @app.on_event("shutdown")
+    async def _close() -> None:
+        await router.close()
+
+    async def generate(request: Request) -> Response:
+        return await router.generate(request)
 
     for route in ROUTES:
         app.add_api_route(route, generate, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        for up in replicas.up():
-            try:
-                r = await client().get(up.url + "/v1/models", headers=forward_headers(request), timeout=5.0)
-            except httpx.HTTPError as exc:
-                replicas.mark_down(up, f"{type(exc).__name__}: {exc}")
-                continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return JSONResponse({"error": {"message": "no replica answers", "type": "server_error"}}, 502)
+        return await router.models(request)
 
     @app.get("/health")
     async def health() -> Response:
-        """ok when every replica is healthy, degraded (200) while one is, unavailable (503) when none is."""
-        ensure_polling()
-        n = sum(r.healthy for r in replicas.replicas)
-        status = "ok" if n == len(replicas.replicas) else "degraded" if n else "unavailable"
-        doc = {"status": status, "policy": policy, "replicas": replicas.stats(),
-               "prefix_index": {u: {"blocks": len(ix.keys), "batches": ix.batches} for u, ix in indexes.items()}}  # fmt: skip
-        return JSONResponse(doc, 200 if n else 503)
+        doc, status = router.health()
+        return JSONResponse(doc, status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(reg), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(router.metrics.page(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
@@ -421,6 +584,15 @@ def add_router_arguments(parser: argparse.ArgumentParser, registry: Any) -> None
     parser.add_argument(
         "--kv-events", nargs="+", default=None, metavar="ENDPOINT",
         help="each replica's KV-event endpoint (its --kv-events-config endpoint, e.g. tcp://10.0.0.5:5557), in --replicas order",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-events-replay", nargs="+", default=None, metavar="ENDPOINT",
+        help="each replica's replay endpoint (its --kv-events-config replay_endpoint), in --replicas order: lost event batches are asked for again",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", default=None,
+        help="the model the replicas serve (the path or name given to `platform serve`): its tokenizer and chat template are loaded here, "
+        "so prompts are tokenized without a round trip (without it, or when it cannot load here: each replica's /tokenize)",
     )  # fmt: skip
     parser.add_argument("--policy", choices=POLICIES, default="prefix", help="prefix: llm-d's scoring (default); round-robin or least-loaded: for comparison")
     parser.add_argument("--prefix-weight", type=float, default=2.0, help="weight of the prefix-cache score (default 2)")
@@ -439,18 +611,32 @@ def router(args: argparse.Namespace, registry: Any) -> int:
     from plinth.errors import ConfigError
     from plinth.server.cli import _listen
 
-    if args.kv_events and len(args.kv_events) != len(args.replicas):
-        raise ConfigError(f"--kv-events needs one endpoint per replica ({len(args.replicas)}), got {len(args.kv_events)}")
+    for name, eps in (("--kv-events", args.kv_events), ("--kv-events-replay", args.kv_events_replay)):
+        if eps and len(eps) != len(args.replicas):
+            raise ConfigError(f"{name} needs one endpoint per replica ({len(args.replicas)}), got {len(eps)}")
+    if args.kv_events_replay and not args.kv_events:
+        raise ConfigError("--kv-events-replay needs --kv-events")
     if args.kv_events:
         try:
             import msgspec  # noqa: F401
             import zmq  # noqa: F401
         except ImportError as exc:
             raise ConfigError(f"--kv-events needs pyzmq and msgspec (pip install 'plinth-core[kv-events]'): {exc}") from None
+    tokenizer = None
+    if args.model and args.kv_events and args.policy == "prefix":
+        from plinth.engine.startup import load_tokenizer
+        from plinth.errors import PlinthError
+
+        try:
+            tokenizer = load_tokenizer(args.model, registry)
+            log.info("prompts are tokenized here with %s's tokenizer", args.model)
+        except PlinthError as exc:
+            log.warning("cannot load the tokenizer of %s here (%s): prompts are tokenized by the replicas' /tokenize", args.model, exc)
     sock = _listen(args.host, args.port)
     app = build_router_app(
-        args.replicas, args.kv_events, policy=args.policy, prefix_weight=args.prefix_weight, kv_cache_weight=args.kv_cache_weight,
-        queue_weight=args.queue_weight, interval=args.poll_interval, timeout=args.timeout,
+        args.replicas, args.kv_events, replay=args.kv_events_replay, policy=args.policy, prefix_weight=args.prefix_weight,
+        kv_cache_weight=args.kv_cache_weight, queue_weight=args.queue_weight, interval=args.poll_interval, timeout=args.timeout,
+        tokenizer=tokenizer,
     )  # fmt: skip
     log.info("router at http://%s:%d (%s) over %s", args.host, sock.getsockname()[1], args.policy, " ".join(args.replicas))
     server = uvicorn.Server(uvicorn.Config(app, log_level=str(args.uvicorn_log_level).lower(), timeout_graceful_shutdown=5))

@@ -60,6 +60,49 @@ def now_s() -> int:
     return int(time.time())
 
 
+def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    """A prompt's token ids, as every route (and `platform router`) computes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") in the JSON
+        raise APIError.bad_request(f"the text is not valid Unicode: {exc.reason} at {exc.start}", param=param) from None
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[str, list[int]]:
+    """The chat template applied to ``messages``: (text, token ids). One
+    function for the server and `platform router`, so the router's block
+    hashes are the replicas'."""
+    kwargs = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    except PlinthError as exc:  # e.g. a model without a chat template
+        raise APIError.bad_request(f"{exc}; use /v1/completions with a plain prompt", param="messages") from None
+    except TypeError as exc:
+        if template_kwargs:
+            raise APIError.bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
+        raise
+    except (ValueError, KeyError) as exc:
+        raise APIError.bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+    except Exception as exc:  # jinja2 errors (raise_exception in a template) and the like
+        if type(exc).__module__.startswith("jinja2"):
+            raise APIError.bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+        raise
+    if not isinstance(text, str):  # a tokenizer that returns ids
+        ids = list(text)
+        return tokenizer.decode(ids, skip_special_tokens=False), ids
+    return text, encode_text(tokenizer, text, add_special_tokens=False, param="messages")
+
+
 # ---------------------------------------------------------------------------
 # the context of one app
 # ---------------------------------------------------------------------------
@@ -149,11 +192,7 @@ class ServingContext:
     # ---- prompts -------------------------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") in the JSON
-            raise APIError.bad_request(f"the text is not valid Unicode: {exc.reason} at {exc.start}", param=param) from None
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return encode_text(self.tokenizer, text, add_special_tokens=add_special_tokens, param=param)
 
     def chat_prompt(
         self,
@@ -164,27 +203,9 @@ class ServingContext:
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat template applied to ``messages``: (text, token ids)."""
-        kwargs = dict(template_kwargs or {})
-        if tools:
-            kwargs["tools"] = tools
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        except PlinthError as exc:  # e.g. a model without a chat template
-            raise APIError.bad_request(f"{exc}; use /v1/completions with a plain prompt", param="messages") from None
-        except TypeError as exc:
-            if template_kwargs:
-                raise APIError.bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
-            raise
-        except (ValueError, KeyError) as exc:
-            raise APIError.bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
-        except Exception as exc:  # jinja2 errors (raise_exception in a template) and the like
-            if type(exc).__module__.startswith("jinja2"):
-                raise APIError.bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
-            raise
-        if not isinstance(text, str):  # a tokenizer that returns ids
-            ids = list(text)
-            return self.tokenizer.decode(ids, skip_special_tokens=False), ids
-        return text, self.encode(text, add_special_tokens=False, param="messages")
+        return render_chat(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs, tools=tools
+        )
 
     def token_str(self, token_id: int) -> str:
         """One token as text (for logprobs); a piece of a multi-byte character

@@ -101,9 +101,9 @@ def test_short_queries_run_per_token_through_the_kernel(ops, dtype, page_size, w
     rows, ref_calls = [], []
 
     class CountingKernels:
-        def paged_decode_attention(self, q, *args):
+        def paged_attention(self, q, *args):
             rows.append(q.shape[0])
-            return kernels.paged_decode_attention(q, *args)
+            return kernels.paged_attention(q, *args)
 
     def counting_reference(*args, **kw):
         ref_calls.append(1)

@@ -107,21 +107,22 @@ def test_dequantize_is_exact(kernels, name):
     torch.testing.assert_close(k.gguf_dequantize(blocks, code, _k(name), 5, 20, True), dense[5:20].bfloat16(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
 @pytest.mark.parametrize("m", [1, 3, 5, 11, 64])
 @pytest.mark.parametrize("name", list(GGUF_FORMATS))
-def test_integer_kernel(kernels, name, m):
+def test_integer_kernel(kernels, name, m, invariant):
     _, k = kernels
     code, block, _ = GGUF_FORMATS[name]
     K, N = _k(name), 37
     blocks, dense = random_blocks(name, N, K, seed=m)
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
-    y = k.gguf_linear(x, blocks, code)
+    y = k.gguf_linear(x, blocks, code, invariant)
     exact = quantized_activations(x, 256 if block == 256 else 32) @ dense.double().t()
     scale = exact.abs().max().item()
     assert (y.double() - exact).abs().max().item() <= 1e-4 * scale
     plain = x.double() @ dense.double().t()
     assert (y.double() - plain).abs().max().item() <= 2e-2 * plain.abs().max().item()
-    yb = k.gguf_linear(x.bfloat16(), blocks, code)  # bf16 in and out
+    yb = k.gguf_linear(x.bfloat16(), blocks, code, invariant)  # bf16 in and out
     assert yb.dtype == torch.bfloat16
     assert (yb.double() - plain).abs().max().item() <= 3e-2 * plain.abs().max().item()
 

@@ -1,7 +1,8 @@
 """MLA heads, the dense MLPs and every expert split over tp = 2 ranks (gloo):
 each rank keeps the whole latent cache and its share of heads, and the
-logits at every prompt position equal one process's, and the engine at
-tp = 2 keeps transformers' greedy tokens."""
+logits at every prompt position equal one process's; the engine at tp = 2,
+and at ep = 2 (experts over two dp ranks, the nccl a2a plugin), keeps
+transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -33,5 +34,19 @@ def test_tp2_through_the_engine_keeps_greedy_tokens(tmp_path):
 
     path = saved_model("q_lora", str(tmp_path))
     with LLM(path, dtype="float32", backend="torch", load_progress=False, tp=2, page_size=7, num_pages=200) as llm:
+        outs = llm.generate(prompts(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == reference_greedy(path, 8)
+
+
+@pytest.mark.slow
+def test_ep2_through_the_engine_keeps_greedy_tokens(tmp_path):
+    """LLM(ep=2, a2a="nccl"): two dp ranks, each keeping 4 of the 8 routed
+    experts, their tokens moving through the nccl a2a plugin over gloo: the
+    greedy tokens of 5 concurrent prompts are transformers'."""
+    from plinth import LLM, SamplingParams
+    from tiny_deepseek import reference_greedy
+
+    path = saved_model("q_lora", str(tmp_path))
+    with LLM(path, dtype="float32", backend="torch", load_progress=False, ep=2, a2a="nccl", page_size=7, num_pages=200) as llm:
         outs = llm.generate(prompts(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == reference_greedy(path, 8)

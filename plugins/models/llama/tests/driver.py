@@ -60,13 +60,13 @@ class PagedDriver:
         self.page_size = page_size
         self.device = torch.device(device)
         num_pages = num_pages or -(-max_tokens // page_size) + 8
-        v_dim = cfg.v_head_dim or cfg.head_dim
+        if hasattr(model, "kv_cache_specs"):  # what each layer caches, as the engine asks (a latent cache too)
+            shapes = [spec.allocation() for spec in model.kv_cache_specs()]
+        else:
+            shapes = [dict(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, v_head_dim=cfg.v_head_dim or cfg.head_dim)] * cfg.num_layers
         self.kv_caches = [
-            ops.allocate_kv_cache(
-                num_pages=num_pages, page_size=page_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                v_head_dim=v_dim, dtype=dtype, device=self.device,
-            )
-            for _ in range(cfg.num_layers)
+            ops.allocate_kv_cache(num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device, **shape)
+            for shape in shapes
         ]
         self.free_pages = list(range(num_pages))
         random.Random(seed).shuffle(self.free_pages)

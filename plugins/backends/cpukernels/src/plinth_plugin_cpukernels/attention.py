@@ -1,50 +1,67 @@
-"""Paged-decode attention as a C++ kernel, built at first use.
+"""Paged attention as a C++ kernel, built at first use.
 
 Decoding is memory-bound on reading the context's K and V. Plain torch ops
 must gather each sequence's pages into a padded batch and then read it again
 in the matmuls; the kernel reads every K and V row once, straight from the
 pages, with no padding (about 4x faster per layer in bfloat16 at 32 sequences
-of 100-768 tokens here). Short multi-token queries (a decode scoring
-speculative proposals: 1 + k tokens) go through the same kernel, one row per
-query token over its own causal prefix of the pages, so a speculative step
-costs the kernel's per-token price, not the reference's. Batches that
-include longer prefill chunks, and the soft-capped path, go to the reference
-backend's attention, whose KV layout (``[Hkv, num_pages, page_size, D]``)
-this kernel shares: ``allocate`` checks that it still is.
+of 100-768 tokens here). It takes any step whose queries are short (decodes,
+and a decode scoring speculative proposals: 1 + k tokens, each row over its
+own causal prefix), so a speculative step costs the kernel's per-token price.
+
+The kernel is batch-invariant (csrc/cpu_ops.cpp, ``paged_attention_impl``):
+each row's result is fixed by its own query, position and keys. Under
+``--deterministic`` (``SelectionContext.deterministic``) it therefore takes
+every step, prefill chunks included (tiles of query rows sharing each K/V
+block's loads), so a row gives the same bits as a decode, a verification
+row, a row of any chunk, after a prefix-cache hit, at any page size. Without
+it, steps with longer prefill chunks go to the reference's SDPA. The
+soft-capped path, dtypes other than bfloat16/float32 and head sizes that are
+no multiple of 8 go to the reference backend's attention (in deterministic
+mode its own batch-invariant form), whose KV layout (``[Hkv, num_pages,
+page_size, D]``) this kernel shares: ``allocate`` checks that it still is.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from plinth.api import PluginError
+from plinth.api import AttentionMetadata, PluginError
 
-#: longest query the kernel takes as one row per token; longer ones are
-#: prefill chunks, which the reference's matmuls do better
+#: longest query the kernel takes outside deterministic mode; steps with
+#: longer ones (prefill chunks) go to the reference's SDPA
 MAX_KERNEL_QUERY_LEN = 16
-#: per-token block tables and lengths, when a step has short multi-token queries
-PER_TOKEN_STATE = "cpukernels.per_token"
+#: whether this step's attention runs in the kernel (set by prepare_attention)
+KERNEL_STEP = "cpukernels.kernel_step"
 
 
-def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+def kernel_step(meta: AttentionMetadata, deterministic: bool) -> bool:
+    """Whether the kernel (not the reference) attends this step."""
+    state = meta.backend_state.get(KERNEL_STEP)
+    if state is None:
+        state = meta.backend_state[KERNEL_STEP] = deterministic or meta.max_query_len <= MAX_KERNEL_QUERY_LEN
+    return state
+
+
+def kernel_takes(dtype: Any, head_dim: int, v_head_dim: int, page_dtype: Any) -> bool:
+    """The inputs the kernel covers (the rest go to the reference): bfloat16 or
+    float32 pages of the query's dtype, head sizes multiples of 8."""
     import torch
 
-    kernel = kernels.paged_decode_attention
+    return dtype in (torch.bfloat16, torch.float32) and page_dtype == dtype and head_dim % 8 == 0 and v_head_dim % 8 == 0
+
+
+def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]], *, deterministic: bool = False) -> dict[str, Callable[..., Any]]:
+    import torch
+
+    kernel = kernels.paged_attention
     ref_attention = reference["attention"]
     ref_allocate = reference["allocate_kv_cache"]
     ref_prepare = reference["prepare_attention"]
 
     def prepare_attention(meta):
         ref_prepare(meta)
-        if 1 < meta.max_query_len <= MAX_KERNEL_QUERY_LEN:
-            # token i of sequence s attends to its sequence's pages up to its
-            # own position: a decode row with s's block table and length pos + 1
-            lens = torch.tensor(meta.query_lens_cpu, dtype=torch.long, device=meta.block_tables.device)
-            seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
-            meta.backend_state[PER_TOKEN_STATE] = (
-                meta.block_tables.index_select(0, seq_of_token).contiguous(),
-                (meta.positions + 1).to(torch.int32),
-            )
+        meta.backend_state.pop(KERNEL_STEP, None)
+        kernel_step(meta, deterministic)
 
     def allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim, v_head_dim, dtype, device):
         k, v = ref_allocate(
@@ -59,10 +76,10 @@ def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]]
         return k, v
 
     def attention(q, k, v, kv_cache, meta, *, scale, sliding_window=None, logit_cap=None):
-        per_token = meta.backend_state.get(PER_TOKEN_STATE)
-        if (meta.max_query_len != 1 and per_token is None) or logit_cap is not None or q.dtype not in (torch.bfloat16, torch.float32):
-            return ref_attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=sliding_window, logit_cap=logit_cap)
         k_pages, v_pages = kv_cache
+        v_dim = (v_pages if v_pages is not None else k_pages).shape[-1]
+        if not kernel_step(meta, deterministic) or logit_cap is not None or not kernel_takes(q.dtype, q.shape[-1], v_dim, k_pages.dtype):
+            return ref_attention(q, k, v, kv_cache, meta, scale=scale, sliding_window=sliding_window, logit_cap=logit_cap)
         heads, num_pages, page_size, dim = k_pages.shape
         slots = meta.slot_mapping
         k_pages.view(heads, num_pages * page_size, dim).index_copy_(1, slots, k.transpose(0, 1).to(k_pages.dtype))
@@ -72,8 +89,10 @@ def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]]
             v_pages.view(heads, num_pages * page_size, v_pages.shape[-1]).index_copy_(
                 1, slots, v.transpose(0, 1).to(v_pages.dtype)
             )
-        tables, lens = per_token if per_token is not None else (meta.block_tables, meta.seq_lens)
-        return kernel(q.contiguous(), k_pages, v_pages, tables, lens, float(scale), int(sliding_window or 0))
+        return kernel(
+            q.contiguous(), k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.seq_lens, float(scale),
+            int(sliding_window or 0),
+        )
 
     return {
         "allocate_kv_cache": allocate_kv_cache,

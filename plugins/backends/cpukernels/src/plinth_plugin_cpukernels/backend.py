@@ -103,7 +103,10 @@ class CPUKernelsBackend(Backend):
             ref_linear = self.reference.get("linear", F.linear)
 
             bf16_gemm = bf16_gemm_missing(isa) is None
-            small = SmallGemm(isa)  # decode batches: the streaming kernel (gemm.py)
+            # decode batches: the streaming kernel (gemm.py); deterministic mode: every batch,
+            # and GGUF weights always through the integer kernel in one order per row (quant.py)
+            invariant = self.ctx.deterministic
+            small = SmallGemm(isa, invariant=invariant)
             dense_linear = make_linear(ref_linear, small)
             # large batches on GGUF weights: a dequantized copy in the compute dtype, packed like any
             # dense weight (the streaming copy too: 12-16 rows run 1.5x faster there than in oneDNN)
@@ -114,7 +117,7 @@ class CPUKernelsBackend(Backend):
                 packed = pack_linear(w, bf16=bf16_gemm, small=small)
                 return packed if type(packed) is PackedLinear else None
 
-            gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype)
+            gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype, invariant=invariant)
 
             def pack(weight: Any) -> Any:
                 if isinstance(weight, QuantizedWeight) and format_name(weight.format):
@@ -134,9 +137,9 @@ class CPUKernelsBackend(Backend):
         # the decode kernel reads the reference's KV layout and hands it what
         # it does not handle; without the reference's attention ops, none
         if all(op in self.reference for op in ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages")):
-            ops.update(make_attention_ops(kernels, self.reference))
+            ops.update(make_attention_ops(kernels, self.reference, deterministic=self.ctx.deterministic))
         if all(op in self.reference for op in ("rms_norm", "silu_and_mul", "rotary")):
             ops.update(make_elementwise_ops(kernels, self.reference))
         if "attention" in ops and "rotary" in ops:
-            ops.update(make_fused_ops(kernels, ops))
+            ops.update(make_fused_ops(kernels, ops, deterministic=self.ctx.deterministic))
         return ops

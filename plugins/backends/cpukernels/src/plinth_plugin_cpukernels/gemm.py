@@ -35,6 +35,14 @@ copies are kept only while the streaming copies fit ``SMALL_COPY_SHARE`` of
 the memory available at the first weight; beyond it oneDNN runs every batch.
 ``PLINTH_CPU_SMALL_GEMM_ROWS`` overrides the row limit (0: off), for
 comparisons. torch is imported inside functions.
+
+Deterministic mode (``SmallGemm(invariant=True)``) runs the streaming kernel
+for every batch and keeps no oneDNN copy: each output is one fp32
+accumulator per row, summed over K in order whatever the number of rows or
+the register tile (``nr_for``), so a row's result never depends on its
+batch, on every code path including the scalar one; oneDNN's kernels
+choose their blocking (and so the order) by M. Its cost against the default
+path: docs/benchmarks.md (issue 24).
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ SMALL_ROWS = {
 #: copies may take (they double the dense weights' memory)
 SMALL_COPY_SHARE = 0.25
 ROWS_ENV = "PLINTH_CPU_SMALL_GEMM_ROWS"
+#: the row limit of deterministic mode: every batch
+ALL_ROWS = 1 << 62
 
 
 def load_linear_kernels(isa: Iterable[str], verbose: bool = False) -> Any:
@@ -92,13 +102,17 @@ class SmallGemm:
     """Packs the streaming copies and says how many rows they serve; the
     kernels are built on the first weight that gets one."""
 
-    def __init__(self, isa: Iterable[str], *, rows: dict[str, int] | None = None, budget: int | None = None) -> None:
+    def __init__(self, isa: Iterable[str], *, rows: dict[str, int] | None = None, budget: int | None = None, invariant: bool = False) -> None:
         self.isa = tuple(isa)
         self.path = linear_kernel_path(self.isa)
         self.rows = dict(rows if rows is not None else SMALL_ROWS.get(self.path, {}))
         override = os.environ.get(ROWS_ENV)
         if override is not None and override.strip():
             self.rows = {name: int(override) for name in DTYPE_NAMES}
+        #: deterministic mode: every batch streams (batch-invariant), whatever the budget
+        self.invariant = invariant
+        if invariant:
+            self.rows = {name: ALL_ROWS for name in DTYPE_NAMES}
         self.budget = budget
         self.kernels: Any = None
 
@@ -112,7 +126,7 @@ class SmallGemm:
         if self.budget is None:
             self.budget = int(_available_memory() * SMALL_COPY_SHARE)
         size = weight.numel() * weight.dtype.itemsize
-        if size > self.budget:
+        if size > self.budget and not self.invariant:  # invariant: the only copy, not a second one
             return None
         if self.kernels is None:
             self.kernels = load_linear_kernels(self.isa)
@@ -132,7 +146,8 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         weight = weight.contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        # deterministic mode streams every batch: no oneDNN copy
+        self.packed = None if small is not None and small.invariant else torch.ops.mkldnn._reorder_linear_weight(weight)
         self.small = small.pack(weight) if small is not None else None
         #: batches of up to this many rows take the streaming kernel
         self.small_rows = small.rows_for(weight.dtype) if self.small is not None else 0

@@ -95,8 +95,10 @@ def pack(weight: Any) -> GGUFLinear | None:
     return GGUFLinear(weight.qweight, type_name, weight.shape)
 
 
-def make_gguf_linear(kernels: Any, *, bf16_gemm: bool, gemm_min_rows: int = GEMM_MIN_ROWS) -> Callable[..., Any]:
-    """linear(x, w: GGUFLinear, bias) -> x @ w.T (+ bias) in x's dtype."""
+def make_gguf_linear(kernels: Any, *, bf16_gemm: bool, gemm_min_rows: int = GEMM_MIN_ROWS, invariant: bool = False) -> Callable[..., Any]:
+    """linear(x, w: GGUFLinear, bias) -> x @ w.T (+ bias) in x's dtype.
+    ``invariant`` (deterministic mode): the integer kernel for every M, each
+    row summed in one order, so a row's result never depends on the batch."""
     import torch
 
     gguf_linear, gguf_dequantize = kernels.gguf_linear, kernels.gguf_dequantize
@@ -107,8 +109,8 @@ def make_gguf_linear(kernels: Any, *, bf16_gemm: bool, gemm_min_rows: int = GEMM
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
         m = x2.shape[0]
-        if m < gemm_min_rows:
-            y = gguf_linear(x2, w.blocks, w.code)
+        if invariant or m < gemm_min_rows:
+            y = gguf_linear(x2, w.blocks, w.code, invariant)
         else:
             # prefill: dequantize a tile of rows, GEMM; bf16 where oneDNN runs it natively
             bf16 = bf16_gemm and x2.dtype == torch.bfloat16
@@ -171,10 +173,14 @@ class GGUFOps:
     (prefill, concurrent decode); decode batches still read only the blocks.
     Beyond that budget, the tiles."""
 
-    def __init__(self, isa: Iterable[str], bf16_gemm: bool, *, dense_pack: Callable[[Any], Any] | None = None, dense_dtype: Any = None) -> None:
+    def __init__(
+        self, isa: Iterable[str], bf16_gemm: bool, *, dense_pack: Callable[[Any], Any] | None = None, dense_dtype: Any = None, invariant: bool = False
+    ) -> None:
         self.isa = tuple(isa)
         self.bf16_gemm = bf16_gemm
-        self.dense_pack, self.dense_dtype = dense_pack, dense_dtype
+        #: deterministic mode: the integer kernel, batch-invariant, for every batch (no dense copies)
+        self.invariant = invariant
+        self.dense_pack, self.dense_dtype = (None, None) if invariant else (dense_pack, dense_dtype)
         self.dense_budget: int | None = None
         self._kernels: Any = None
         self._linear: Callable[..., Any] | None = None
@@ -182,7 +188,7 @@ class GGUFOps:
     def pack(self, weight: Any) -> GGUFLinear:
         if self._linear is None:
             self._kernels = load_quant_kernels(self.isa)
-            self._linear = make_gguf_linear(self._kernels, bf16_gemm=self.bf16_gemm)
+            self._linear = make_gguf_linear(self._kernels, bf16_gemm=self.bf16_gemm, invariant=self.invariant)
             self.dense_budget = int(_available_memory() * DENSE_COPY_SHARE)
         packed = pack(weight)
         assert packed is not None

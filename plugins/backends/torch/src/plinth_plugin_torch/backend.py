@@ -28,15 +28,18 @@ class TorchBackend(Backend):
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         from plinth_plugin_torch import attention, ops
 
+        # deterministic mode: every op batch-invariant (the rest already are per row)
+        deterministic = rowwise = self.ctx.deterministic
         return {
-            "rms_norm": ops.rms_norm,
+            "rms_norm": ops.rms_norm_rowwise if rowwise else ops.rms_norm,
             "pack_linear": ops.pack_linear,
-            "linear": ops.linear,
+            "linear": ops.linear_rowwise if rowwise else ops.linear,
             "silu_and_mul": ops.silu_and_mul,
             "rotary": ops.rotary,
             "allocate_kv_cache": attention.allocate_kv_cache,
-            "prepare_attention": attention.prepare_attention,
-            "attention": attention.attention,
+            # --deterministic: the batch-invariant form (attention.deterministic_attention)
+            "prepare_attention": attention.prepare_deterministic_attention if deterministic else attention.prepare_attention,
+            "attention": attention.deterministic_attention if deterministic else attention.attention,
             "copy_pages": ops.copy_pages,
-            "fused_moe": ops.fused_moe,
+            "fused_moe": ops.fused_moe_rowwise if rowwise else ops.fused_moe,
         }

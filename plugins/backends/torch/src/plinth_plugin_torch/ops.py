@@ -7,7 +7,7 @@ Every op follows the signatures documented with ``OP_NAMES`` in
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,8 @@ def _rms_norm_small_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     return y.contiguous()
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    if weight is not None and x.numel() <= _SMALL_NORM and x.device.type == "cpu" and weight.dtype == x.dtype:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, limit: int = _SMALL_NORM) -> torch.Tensor:
+    if weight is not None and x.numel() <= limit and x.device.type == "cpu" and weight.dtype == x.dtype:
         return _rms_norm_small_cpu(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -48,6 +48,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
         x = x + residual
         return _rms_norm(x, weight, eps), x
     return _rms_norm(x, weight, eps)
+
+
+def rms_norm_rowwise(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None):
+    """rms_norm for deterministic mode: on CPU one route for every batch
+    size (layer_norm's kernel reduces each row on its own), where the
+    default switches route by the batch's size."""
+    if residual is not None:
+        x = x + residual
+        return _rms_norm(x, weight, eps, limit=1 << 62), x
+    return _rms_norm(x, weight, eps, limit=1 << 62)
 
 
 # ---- linear --------------------------------------------------------------------
@@ -64,6 +74,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     if isinstance(weight, QuantizedWeight):
         weight = dequantize_weight(weight, x.dtype)
     return F.linear(x, weight, bias)
+
+
+def linear_rowwise(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear for deterministic mode: each row as its own one-row GEMM, from
+    a buffer of the same shape and alignment, so every row runs the same
+    call whatever its batch (F.linear's kernels pick their blocking, and so
+    each output's summation order, by the number of rows). Slow: one call a
+    row; it serves only what a backend cannot run batch-invariantly."""
+    if isinstance(weight, QuantizedWeight):
+        weight = dequantize_weight(weight, x.dtype)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    row = torch.empty(1, shape[-1], dtype=x.dtype, device=x.device)
+    for i in range(x2.shape[0]):
+        row.copy_(x2[i : i + 1])
+        out[i : i + 1] = F.linear(row, weight, bias)
+    return out.view(*shape[:-1], weight.shape[0])
 
 
 def _expand_scale(scale: torch.Tensor, shape: tuple[int, int], block_size: tuple[int, int] | None) -> torch.Tensor:
@@ -274,6 +302,23 @@ def fused_moe(
     tokens cost nothing. Ids outside [0, E) (other ranks' experts, padding)
     are skipped. The weighted sum accumulates in float32; returns x's dtype.
     """
+    return _fused_moe(x, w13, w2, topk_weights, topk_ids, linear)
+
+
+def fused_moe_rowwise(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """fused_moe for deterministic mode: the experts' GEMMs by
+    ``linear_rowwise``; each token's weighted sum already runs in one order
+    (its experts by id)."""
+    return _fused_moe(x, w13, w2, topk_weights, topk_ids, linear_rowwise)
+
+
+def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, linear: Callable[..., torch.Tensor]) -> torch.Tensor:
     num_experts = w13.shape[0]
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)

@@ -21,6 +21,15 @@ kernels compute that per key, so any page size works (7, 16, 48, ...).
   causally with the sequence's cached prefix offset.
 
 Sliding windows and logit soft caps are masks/transforms inside both kernels.
+
+In deterministic mode (``--deterministic``) every step, decodes included,
+runs the ragged kernel with one fixed launch (BLOCK_M from the head group,
+BLOCK_N, num_warps and num_stages fixed, no autotuned choice) and key blocks
+at absolute multiples of BLOCK_N (a window's first block is rounded down and
+masked): a row's online softmax then meets the same block boundaries, in the
+same order, whether it is a decode, a verification row or a row of any
+chunk, alone or in any batch. The split-K decode is not used there: its
+split count follows the batch size.
 Under ``TRITON_INTERPRET=1`` (CPU tests) loads are cast to float32 before any
 arithmetic (the interpreter computes bf16 on bit patterns); on a GPU the dots
 take the storage dtype with float32 accumulation.
@@ -177,7 +186,7 @@ def _prefill_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, ALIGN_KEYS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -209,6 +218,8 @@ def _prefill_kernel(
     if HAS_WINDOW:
         first_pos = prefix + (q_first - seq_q_start)
         kv_start = tl.maximum(first_pos - window + 1, 0)
+        if ALIGN_KEYS:  # key blocks at absolute multiples of BLOCK_N (deterministic mode)
+            kv_start = kv_start // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M * BLOCK_G], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
@@ -286,6 +297,9 @@ SPLIT_LEN = 512
 BLOCK_N = 64
 #: rows (query tokens x group heads) per prefill program
 PREFILL_ROWS = 64
+#: deterministic mode's one launch configuration of the ragged kernel (no
+#: autotuned choice, which could change the dot's reduction order by shape)
+DETERMINISTIC_LAUNCH = dict(num_warps=4, num_stages=2)
 
 
 def decode_splits(num_seqs: int, max_seq_len: int, num_kv_heads: int, target_programs: int = 264) -> tuple[int, int]:
@@ -326,8 +340,10 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
-    """q [T, Hq, D] over pages already holding this step's K/V -> [T, Hq, Dv]."""
+    """q [T, Hq, D] over pages already holding this step's K/V -> [T, Hq, Dv].
+    deterministic: every row through the ragged kernel at one fixed launch."""
     num_tokens, num_heads, dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     dim_v = v_pages.shape[-1]
@@ -343,7 +359,7 @@ def paged_attention(
         G=group, BLOCK_G=_pow2(group), D=dim, BLOCK_D=_pow2(dim, 16), DV=dim_v, BLOCK_DV=_pow2(dim_v, 16),
         BLOCK_N=BLOCK_N, HAS_CAP=cap > 0, HAS_WINDOW=window > 0, UPCAST=upcast,
     )
-    if plan.decode:
+    if plan.decode and not deterministic:
         b = num_tokens
         num_splits, split_len = decode_splits(b, meta.max_seq_len, num_kv_heads)
         common["BLOCK_G"] = _pow2(group, 16)  # tl.dot needs 16 rows
@@ -376,7 +392,12 @@ def paged_attention(
     if num_blocks == 0:
         return out
     common["BLOCK_G"] = _pow2(group)
-    _prefill_kernel[(num_blocks, num_kv_heads)](
+    kernel, launch = _prefill_kernel, {}
+    if deterministic:
+        if isinstance(_prefill_kernel, triton.runtime.Autotuner):  # on a GPU: the plain kernel under it
+            kernel = _prefill_kernel.fn
+        launch = dict(ALIGN_KEYS=True, **({} if interpreting() else DETERMINISTIC_LAUNCH))
+    kernel[(num_blocks, num_kv_heads)](
         q, k_pages, v_pages, bt, meta.seq_lens, meta.query_start_loc, block_seq, block_start, out,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
@@ -384,14 +405,15 @@ def paged_attention(
         bt.stride(0),
         out.stride(0), out.stride(1),
         scale, cap, window, page_size,
-        BLOCK_M=block_m, **common,
+        BLOCK_M=block_m, **common, **launch,
     )
     return out
 
 
-def make_attention_ops(reference: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+def make_attention_ops(reference: Mapping[str, Callable[..., Any]], *, deterministic: bool = False) -> dict[str, Callable[..., Any]]:
     """allocate_kv_cache, prepare_attention, attention, copy_pages: the
-    reference's page layout and page copies, these kernels for attention."""
+    reference's page layout and page copies, these kernels for attention
+    (batch-invariant with ``deterministic``)."""
     ref_allocate = reference["allocate_kv_cache"]
     ref_prepare = reference["prepare_attention"]
 
@@ -424,7 +446,10 @@ def make_attention_ops(reference: Mapping[str, Callable[..., Any]]) -> dict[str,
             v_pages = k_pages
         else:
             _write_pages(v_pages, v, plan.slots)
-        return paged_attention(q, k_pages, v_pages, meta, plan, scale=scale, sliding_window=sliding_window, logit_cap=logit_cap)
+        return paged_attention(
+            q, k_pages, v_pages, meta, plan, scale=scale, sliding_window=sliding_window, logit_cap=logit_cap,
+            deterministic=deterministic,
+        )
 
     return {
         "allocate_kv_cache": allocate_kv_cache,

@@ -138,7 +138,7 @@ class TritonBackend(Backend):
                 return fp8.linear(x, weight, bias)
             return ref_linear(x, weight, bias)
 
-        ops: dict[str, Callable[..., Any]] = dict(make_attention_ops(ref))
+        ops: dict[str, Callable[..., Any]] = dict(make_attention_ops(ref, deterministic=self.ctx.deterministic))
         ops.update(
             rms_norm=norm.rms_norm,
             fused_moe=moe.fused_moe,

@@ -16,6 +16,7 @@ from plinth.api import (
     LoadContext,
     ModelConfig,
     ModelSource,
+    expert_ranges,
     iter_safetensors,
 )
 
@@ -210,12 +211,13 @@ class DeepseekLoader(CheckpointLoader):
 
     def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> DeepseekV3ForCausalLM:
         cfg = dict(config.raw) if config.raw else self.hf_config(source)
-        if ctx.ep_size > 1:
-            raise ConfigError("the deepseek plugin runs at ep = 1 for now (experts over ep are not in yet; tp splits them)")
+        if ctx.ep_size > 1 and cfg.get("n_routed_experts") and ctx.a2a is None:
+            raise ConfigError("ep > 1 needs an a2a plugin (--a2a) to move tokens between the ranks' experts")
         if cfg["num_attention_heads"] % ctx.tp_size:
             raise ConfigError(f"tp={ctx.tp_size} does not divide the {cfg['num_attention_heads']} attention heads")
         block = fp8_block_size(cfg)
         arch = DeepseekArch.from_hf(cfg)
+        mine = local_experts(arch, ctx)
         top: dict[str, torch.Tensor] = {}
         per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(arch.num_layers)]
         for name, tensor in _dequantized(iter_safetensors(source.path, dtype=None, progress=ctx.progress), block):
@@ -224,11 +226,18 @@ class DeepseekLoader(CheckpointLoader):
                 log.debug("ignoring checkpoint tensor %s", name)
                 continue
             layer, key = where
+            if key.startswith("expert.") and int(key.split(".")[1]) not in mine:
+                continue  # another ep rank's expert: never kept
             if layer is None:
                 top[key] = tensor
             elif layer < arch.num_layers:  # DeepSeek-V3's multi-token-prediction layer (61) is not used
                 per_layer[layer][key] = tensor
         return build_model(arch, top, per_layer, ctx)
+
+
+def local_experts(arch: DeepseekArch, ctx: LoadContext) -> range:
+    """The routed experts this ep rank keeps (all of them at ep = 1)."""
+    return expert_ranges(arch.n_routed_experts, ctx.ep_size)[ctx.ep_rank]
 
 
 def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: list[dict[str, torch.Tensor]], ctx: LoadContext) -> DeepseekV3ForCausalLM:
@@ -278,7 +287,7 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
         layer.w_uk, layer.w_uv = w_uk.contiguous(), w_uv.contiguous()  # [heads, dn, L], [heads, dv, L]
         layer.o_proj = linear(need(d, "o_proj", where)[:, mine.start * dv : mine.stop * dv])
         if arch.is_moe(i):
-            _build_moe(arch, layer, d, where, put, need, linear, split)
+            _build_moe(arch, layer, d, where, put, need, linear, split, local_experts(arch, ctx), whole=ctx.ep_size > 1)
         else:
             cut = split(arch.intermediate_size)
             layer.gate_up = linear(torch.cat((need(d, "gate", where)[cut], need(d, "up", where)[cut])))
@@ -303,18 +312,23 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
         layers=layers,
         num_heads=heads,
         tp_group=ctx.tp_group if tp > 1 else None,
+        tp_rank=tp_rank,
+        tp_size=tp,
+        a2a=ctx.a2a if ctx.ep_size > 1 else None,
     )
 
 
-def _build_moe(arch: DeepseekArch, layer: DeepseekLayer, d: dict[str, torch.Tensor], where: str, put: Any, need: Any, linear: Any, split: Any) -> None:
-    """The router, the experts as w13 [E, 2I', H] / w2 [E, H, I'] for
-    ``fused_moe``, and the shared experts as one dense MLP (I' = I / tp:
-    each expert split over tp like a dense MLP)."""
+def _build_moe(arch: DeepseekArch, layer: DeepseekLayer, d: dict[str, torch.Tensor], where: str, put: Any, need: Any,
+               linear: Any, split: Any, experts: range, *, whole: bool) -> None:
+    """The router, this rank's experts as w13 [E', 2I', H] / w2 [E', H, I']
+    for ``fused_moe``, and the shared experts as one dense MLP. At ep = 1
+    E' = E and I' = I / tp (each expert split over tp like a dense MLP); at
+    ep > 1 the rank's experts are whole (I' = I) and E' its share."""
     inter = arch.moe_intermediate_size
-    cut = split(inter)
+    cut = slice(0, inter) if whole else split(inter)
     fused = d.get("experts_gate_up")
     w13, w2 = [], []
-    for e in range(arch.n_routed_experts):
+    for e in experts:
         if fused is not None:
             gate, up, down = fused[e, :inter], fused[e, inter:], need(d, "experts_down", where)[e]
         else:

@@ -11,7 +11,11 @@ the ``topk_group`` best of ``n_group`` groups (a group scored by its two best
 biased scores), weights from the unbiased scores, renormalized when
 ``norm_topk_prob``, times ``routed_scaling_factor``. With tensor
 parallelism a rank holds its share of the heads and of every MLP's
-intermediate dimension, and the layer's two outputs are all-reduced.
+intermediate dimension, and the layer's two outputs are all-reduced. With
+expert parallelism (ep > 1) a rank keeps its run of routed experts whole
+(``plinth.api.expert_ranges``) and their tokens travel through the a2a
+plugin (``plinth.api.routed_experts``, the path every MoE model shares); the
+shared experts stay a dense MLP, split over tp.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed
-from plinth.api import AttentionMetadata, weights_nbytes
+from plinth.api import AllToAll, AttentionMetadata, routed_experts, weights_nbytes
 
 from plinth_plugin_deepseek import mla
 from plinth_plugin_deepseek.mla import MLALatentSpec
@@ -138,12 +142,14 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
 
     def __init__(self, arch: DeepseekArch, ops: Any, *, cos_sin: torch.Tensor, scale: float, embed: torch.Tensor,
                  norm: torch.Tensor, lm_head: Any, layers: Sequence[DeepseekLayer], num_heads: int | None = None,
-                 tp_group: Any = None) -> None:
+                 tp_group: Any = None, tp_rank: int = 0, tp_size: int = 1, a2a: AllToAll | None = None) -> None:
         super().__init__()
         self.arch, self.ops = arch, ops
         #: this rank's heads; with tp > 1 the o and down projections give partial sums, all-reduced over tp_group
         self.num_heads = num_heads or arch.num_heads
-        self.tp_group = tp_group
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        #: with ep > 1 the routed experts' tokens go through this plugin (w13 / w2 hold this rank's experts)
+        self.a2a = a2a
         self.cos_sin, self.scale = cos_sin, scale
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
         self.layers = list(layers)
@@ -173,12 +179,13 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
         out = attend(q_nope, q_pe, latent, k_pe.reshape(num_tokens, -1), kv_cache, meta, w_uk=layer.w_uk, w_uv=layer.w_uv, scale=self.scale)
         return ops.linear(out.reshape(num_tokens, -1), layer.o_proj)
 
-    def mlp(self, layer: DeepseekLayer, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, layer: DeepseekLayer, x: torch.Tensor, decode: bool) -> torch.Tensor:
         ops = self.ops
         if layer.router is None:
             return ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
         weights, ids = layer.router(x)
-        y = ops.fused_moe(x, layer.w13, layer.w2, weights, ids)
+        y = routed_experts(ops, x, layer.w13, layer.w2, weights, ids, a2a=self.a2a, decode=decode,
+                           tp_rank=self.tp_rank, tp_size=self.tp_size)
         if layer.shared_gate_up is not None:
             y = y + ops.linear(ops.silu_and_mul(ops.linear(x, layer.shared_gate_up)), layer.shared_down)
         return y
@@ -187,6 +194,7 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
         rms_norm, eps = self.ops.rms_norm, self.arch.rms_norm_eps
         hidden = torch.nn.functional.embedding(input_ids, self.embed)
         residual = None
+        decode = meta.is_decode_only if meta.moe_decode is None else meta.moe_decode  # agreed over the expert group
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if residual is None:
                 residual = hidden
@@ -195,7 +203,7 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
                 x, residual = rms_norm(hidden, layer.input_norm, eps, residual)
             hidden = self.all_reduce(self.attention(layer, x, positions, kv_cache, meta.for_layer(i)))
             x, residual = rms_norm(hidden, layer.post_norm, eps, residual)
-            hidden = self.all_reduce(self.mlp(layer, x))
+            hidden = self.all_reduce(self.mlp(layer, x, decode))
         if residual is None:
             return rms_norm(hidden, self.norm, eps)
         hidden, _ = rms_norm(hidden, self.norm, eps, residual)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from plinth.api import routed_experts
 
 from plinth_plugin_llama.parallel import Parallel
 
@@ -46,27 +47,9 @@ class MoEBlock:
         return weights, ids
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, decode: bool) -> torch.Tensor:
-        ops, par = self.ops, self.par
-        if par.a2a is None:  # every expert here (whole, or its tp slice)
-            return ops.fused_moe(x, self.w13, self.w2, weights, ids)
-        part = par.token_slice(x.shape[0]) if par.tp_size > 1 else slice(None)
-        got, handle = par.a2a.dispatch(x[part], ids[part], weights[part], decode=decode)
-        if got.layout == "flat":
-            y = ops.fused_moe(got.x, self.w13, self.w2, got.topk_weights, got.topk_ids)
-        elif got.layout == "padded":  # [E_local, M, H]: expert e's rows first, padding after
-            num_local, slots, hidden = got.x.shape
-            rows = torch.arange(slots, device=got.x.device).unsqueeze(0) < got.counts.to(got.x.device).unsqueeze(1)
-            ids_padded = torch.where(rows, torch.arange(num_local, device=got.x.device).unsqueeze(1), -1).reshape(-1, 1)
-            ones = torch.ones(ids_padded.shape, dtype=torch.float32, device=got.x.device)
-            y = ops.fused_moe(got.x.reshape(-1, hidden), self.w13, self.w2, ones, ids_padded).reshape(num_local, slots, hidden)
-        else:
-            raise ValueError(f"a2a plugin returned an unknown layout {got.layout!r}")
-        out = par.a2a.combine(y, handle)
-        if par.tp_size > 1:  # the other tp ranks fill their slices; the caller's all-reduce sums them
-            full = torch.zeros_like(x)
-            full[part] = out.to(x.dtype)
-            return full
-        return out.to(x.dtype)
+        par = self.par
+        return routed_experts(self.ops, x, self.w13, self.w2, weights, ids, a2a=par.a2a, decode=decode,
+                              tp_rank=par.tp_rank, tp_size=par.tp_size)
 
     def __call__(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
         ops = self.ops

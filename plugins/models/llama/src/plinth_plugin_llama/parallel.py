@@ -94,11 +94,6 @@ class Parallel:
         """This ep rank's experts (uneven splits as ``expert_ranges`` says)."""
         return expert_ranges(num_experts, self.ep_size)[self.ep_rank]
 
-    def token_slice(self, num_tokens: int) -> slice:
-        """The tokens this tp rank dispatches to the experts (ep > 1)."""
-        per = -(-num_tokens // self.tp_size)
-        return slice(min(num_tokens, self.tp_rank * per), min(num_tokens, (self.tp_rank + 1) * per))
-
 
 def head_rows(weight: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
     """Rows (dim 0) of the given heads; columns when weight is [out, in] of an

@@ -87,27 +87,39 @@ inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / st
 
 }  // namespace
 
-// ---- paged decode attention --------------------------------------------------------
-// q [B, Hq, D]; pages [Hkv, N, page_size, D] (V: Dv); block_tables [B, max_pages]
-// int32; seq_lens [B] int32. For each (sequence, KV head): scores of the group's
-// query heads over the context read straight from the pages, softmax, weighted
-// sum of V. Every K and V row is read once; nothing is padded. The queries come
-// in as float32, already scaled (the fused op below rotates them straight
-// into that buffer).
+// ---- paged attention ----------------------------------------------------------------
+// q [T, Hq, D]: the tokens of B sequences, sequence b's rows query_start_loc[b] to
+// query_start_loc[b + 1], at the last positions of its context of seq_lens[b]
+// tokens (a decode row, a speculative verification's k + 1 rows, or a prefill
+// chunk after any cached prefix); pages [Hkv, N, page_size, D] (V: Dv);
+// block_tables [B, max_pages] int32. Each row attends causally over its
+// sequence's pages (the last `window` positions when window > 0).
 //
-// With AVX-512 or AVX2+FMA (and D, Dv multiples of the vector width) the
-// context goes in blocks of W tokens (16 or 8): the block's K rows are
-// converted to float32 once, each query head of the group keeps one
-// accumulator per token (D/W FMAs each) and one transpose-reduce turns the W
-// accumulators into W scores (instead of a horizontal sum per token); the
-// weighted sum of V loads each V chunk of the block once for all the group's
-// heads. Otherwise (no AVX, odd head sizes) the portable loops below.
+// Batch-invariant by construction: a row's result is a function of its own
+// query, its position and its keys, never of the other rows, the page size,
+// the chunking or the threads. Keys go in blocks of W tokens (16 with AVX-512,
+// else 8) at fixed absolute positions (block j holds positions jW..jW+W-1, read
+// across page boundaries); a score is a dot product in a fixed order; the
+// softmax sum adds the blocks' exponentials lane-wise in block order and then
+// the W lanes in a fixed tree; the weighted sum of V adds one block at a time in
+// the same order. Positions outside a row's range inside one of its blocks get
+// probability 0 (an exact no-op in the sums). Work items are (tile of up to
+// `tile` consecutive rows of one sequence, KV head): no reduction is split
+// across threads, and rows of a tile only share the loads of each K and V block
+// (the group's query heads and the tile's rows all read it from L1).
+//
+// The block code is one function per (vector type, dtype), never inlined, so
+// every caller (decode, verification, prefill, the fused qkv op) runs the same
+// instructions. With AVX-512 or AVX2+FMA and D, Dv multiples of the vector width
+// it uses those registers; otherwise a portable 8-wide vector of plain floats
+// (D, Dv multiples of 8). The queries come in as float32, already scaled.
 namespace {
 
 #if defined(__AVX512F__)
 struct Vec {
   using R = __m512;
   static constexpr int W = 16;
+  static constexpr bool native = true;
   static inline R zero() { return _mm512_setzero_ps(); }
   static inline R load(const float* p) { return _mm512_loadu_ps(p); }
   static inline R load(const uint16_t* p) {
@@ -117,8 +129,14 @@ struct Vec {
   static inline void store(float* p, R v) { _mm512_storeu_ps(p, v); }
   static inline R set1(float x) { return _mm512_set1_ps(x); }
   static inline R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static inline R sub(R a, R b) { return _mm512_sub_ps(a, b); }
   static inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static inline R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline R clamp(R x, float lo, float hi) { return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x)); }
+  static inline R floor(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static inline R pow2(R fi) {  // 2^fi for integral fi in [-127, 128)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23));
+  }
   // out[t] = sum of the lanes of a[t], t < 16: a tree of 128-bit and in-lane shuffles
   static inline void reduce(const R* a, float* out) {
     R r[8], u[4];
@@ -141,6 +159,7 @@ struct Vec {
 struct Vec {
   using R = __m256;
   static constexpr int W = 8;
+  static constexpr bool native = true;
   static inline R zero() { return _mm256_setzero_ps(); }
   static inline R load(const float* p) { return _mm256_loadu_ps(p); }
   static inline R load(const uint16_t* p) {
@@ -150,8 +169,14 @@ struct Vec {
   static inline void store(float* p, R v) { _mm256_storeu_ps(p, v); }
   static inline R set1(float x) { return _mm256_set1_ps(x); }
   static inline R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static inline R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static inline R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline R clamp(R x, float lo, float hi) { return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x)); }
+  static inline R floor(R x) { return _mm256_floor_ps(x); }
+  static inline R pow2(R fi) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23));
+  }
   static inline void reduce(const R* a, float* out) {  // out[t] = sum of the lanes of a[t], t < 8
     const R t01 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const R t23 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -161,23 +186,92 @@ struct Vec {
 #define PLINTH_VEC_ATTENTION 1
 #endif
 
-// softmax over the n scores in place (the portable loops vectorize: fast_exp)
-inline void softmax_inplace(float* sg, int64_t n) {
-  float m = -std::numeric_limits<float>::max();
-  for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    sg[t] = fast_exp(sg[t] - m);
-    sum += sg[t];
+// 8 plain floats: the same algorithm where there is no AVX2 (or the head size
+// is no multiple of the native width); the compiler maps it to what it has
+struct Vec8 {
+  struct R {
+    float v[8];
+  };
+  static constexpr int W = 8;
+  static constexpr bool native = false;
+  static inline R zero() { return R{}; }
+  static inline R load(const float* p) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+    return r;
   }
-  const float inv = 1.f / sum;
-  for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+  static inline R load(const uint16_t* p) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = bf16_to_f32(p[i]);
+    return r;
+  }
+  static inline void store(float* p, R a) {
+    for (int i = 0; i < 8; ++i) p[i] = a.v[i];
+  }
+  static inline R set1(float x) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = x;
+    return r;
+  }
+#define PLINTH_VEC8_OP(name, expr)          \
+  static inline R name(R a, R b) {          \
+    R r;                                    \
+    for (int i = 0; i < 8; ++i) r.v[i] = expr; \
+    return r;                               \
+  }
+  PLINTH_VEC8_OP(add, a.v[i] + b.v[i])
+  PLINTH_VEC8_OP(sub, a.v[i] - b.v[i])
+  PLINTH_VEC8_OP(mul, a.v[i] * b.v[i])
+#undef PLINTH_VEC8_OP
+  static inline R fma(R a, R b, R c) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
+    return r;
+  }
+  static inline R clamp(R x, float lo, float hi) {
+    for (int i = 0; i < 8; ++i) x.v[i] = std::min(hi, std::max(lo, x.v[i]));
+    return x;
+  }
+  static inline R floor(R x) {
+    for (int i = 0; i < 8; ++i) x.v[i] = std::floor(x.v[i]);
+    return x;
+  }
+  static inline R pow2(R fi) {
+    R r;
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi.v[i]) + 127) << 23;
+      std::memcpy(&r.v[i], &bits, 4);
+    }
+    return r;
+  }
+  static inline void reduce(const R* a, float* out) {  // a fixed tree per token
+    for (int t = 0; t < 8; ++t) {
+      const float* x = a[t].v;
+      out[t] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+    }
+  }
+};
+
+// fast_exp's polynomial on a whole vector (every lane by the same instructions)
+template <class V>
+inline typename V::R vexp(typename V::R x) {
+  x = V::clamp(x, -87.0f, 88.0f);
+  const auto t = V::mul(x, V::set1(1.4426950408889634f));
+  const auto fi = V::floor(t);
+  const auto f = V::sub(t, fi);
+  auto p = V::set1(1.535336188319500e-4f);
+  p = V::fma(p, f, V::set1(1.339887440266574e-3f));
+  p = V::fma(p, f, V::set1(9.618437357674640e-3f));
+  p = V::fma(p, f, V::set1(5.550332471162809e-2f));
+  p = V::fma(p, f, V::set1(2.402264791363012e-1f));
+  p = V::fma(p, f, V::set1(6.931472028550421e-1f));
+  p = V::fma(p, f, V::set1(1.0f));
+  return V::mul(p, V::pow2(fi));
 }
 
-#ifdef PLINTH_VEC_ATTENTION
 // rows[t] = the page row (page * ps + offset) of position pos + t, t < m:
 // one division per block, not one per token
-inline int64_t block_rows(const int32_t* table, int64_t pos, int64_t m, int64_t ps, int64_t* rows) {
+inline void block_rows(const int32_t* table, int64_t pos, int64_t m, int64_t ps, int64_t* rows) {
   int64_t page = pos / ps, off = pos % ps;
   for (int64_t t = 0; t < m; ++t) {
     rows[t] = static_cast<int64_t>(table[page]) * ps + off;
@@ -186,42 +280,68 @@ inline int64_t block_rows(const int32_t* table, int64_t pos, int64_t m, int64_t 
       ++page;
     }
   }
-  return m;
 }
 
 inline void prefetch_row(const void* p, int64_t bytes) {
+#if defined(__SSE__)
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
 
-// one (sequence, KV head): qf [G, D] scaled queries; out [G, Dv] (stride Dv);
-// scratch: scores G * npad, kbuf W * D, acc G * Dv floats, qbf 2 G D; zrow max(D, Dv) zeros.
-template <typename T>
-void attend_blocks(const float* qf, const T* kp, const T* vp, T* out, const int32_t* table, int64_t start,
-                   int64_t n, int64_t G, int64_t D, int64_t Dv, int64_t ps, float* scores, float* kbuf, float* acc,
-                   uint16_t* qbf, const T* zrow) {
-  using R = Vec::R;
-  constexpr int W = Vec::W;
-  const int64_t npad = (n + W - 1) / W * W, DC = D / W, DVC = Dv / W;
+// per-thread scratch of the block code
+struct AttendScratch {
+  std::vector<float> scores, kbuf, acc;
+  std::vector<uint16_t> qbf;
+};
+
+// One tile: rows r < R of one sequence and KV head. Row r's G query heads are
+// qf + r * qs (G x D floats, scaled); it attends positions [lo[r], hi[r]) and
+// writes G x Dv to out + r * os. zrow: max(D, Dv) zeros.
+template <class V, typename T>
+__attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, int64_t os, const T* kp, const T* vp,
+                                           const int32_t* table, const int64_t* lo, const int64_t* hi, int64_t R,
+                                           int64_t G, int64_t D, int64_t Dv, int64_t ps, AttendScratch& sc,
+                                           const T* zrow) {
+  using Reg = typename V::R;
+  constexpr int W = V::W;
+  int64_t first = hi[0], last = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    first = std::min(first, lo[r] / W * W);
+    last = std::max(last, hi[r]);
+  }
+  const int64_t span = (last - first + W - 1) / W * W, NQ = R * G, DC = D / W, DVC = Dv / W;
+  sc.scores.resize(NQ * span);
+  sc.acc.assign(NQ * Dv, 0.f);
+  sc.kbuf.resize(W * D);
+  float* scores = sc.scores.data();
+  float* kbuf = sc.kbuf.data();
+  float* acc = sc.acc.data();
   int64_t krows[W], nrows[W];
-  // scores: a block of W K rows at a time, all the group's heads against it.
-  // float32 rows are read in place; bfloat16 rows with AVX512-BF16 too, by
-  // dot products of bf16 pairs against the query split in two bf16 parts
-  // (hi + lo: the query's float32 value to 16 bits, each product exact);
+  auto in_block = [&](int64_t r, int64_t blk) { return blk < hi[r] && blk + W > lo[r]; };
+  // scores: a block of W K rows at a time, every query of the tile against it.
+  // float32 rows are read in place; bfloat16 rows with AVX512-BF16 too, by dot
+  // products of bf16 pairs against the query split in two bf16 parts (hi + lo:
+  // the query's float32 value to 16 bits, each product exact; a zero lo part
+  // adds exact zeros, so skipping it when the tile has none changes nothing);
   // otherwise the block's rows are converted to float32 once, into kbuf.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  const bool dot = std::is_same<T, uint16_t>::value && D % 32 == 0;
-  bool lo_parts = false;  // a bf16 query times a power-of-two scale (D = 64) has none
+  const bool dot = V::native && std::is_same<T, uint16_t>::value && D % 32 == 0;
+  bool lo_parts = false;
   if (dot) {
-    for (int64_t g = 0; g < G; ++g) {  // qbf: [g][hi: D][lo: D]
-      const float* x = qf + g * D;
-      uint16_t* hi = qbf + 2 * g * D;
-      uint16_t* lo = hi + D;
+    sc.qbf.resize(2 * NQ * D);
+    for (int64_t i = 0; i < NQ; ++i) {  // qbf: [query][hi: D][lo: D]
+      const float* x = qf + (i / G) * qs + (i % G) * D;
+      uint16_t* h = sc.qbf.data() + 2 * i * D;
+      uint16_t* l = h + D;
       uint16_t any_lo = 0;
       for (int64_t d = 0; d < D; ++d) {
-        hi[d] = f32_to_bf16(x[d]);
-        lo[d] = f32_to_bf16(x[d] - bf16_to_f32(hi[d]));
-        any_lo |= lo[d] & 0x7FFF;
+        h[d] = f32_to_bf16(x[d]);
+        l[d] = f32_to_bf16(x[d] - bf16_to_f32(h[d]));
+        any_lo |= l[d] & 0x7FFF;
       }
       lo_parts |= any_lo != 0;
     }
@@ -231,160 +351,168 @@ void attend_blocks(const float* qf, const T* kp, const T* vp, T* out, const int3
 #endif
   const bool direct = std::is_same<T, float>::value || dot;
   const T* kr[W];
-  for (int64_t blk = 0; blk < n; blk += W) {
-    const int64_t m = std::min<int64_t>(W, n - blk);
-    block_rows(table, start + blk, m, ps, krows);
+  for (int64_t blk = first; blk < last; blk += W) {
+    const int64_t m = std::min<int64_t>(W, last - blk);
+    block_rows(table, blk, m, ps, krows);
     if (direct) {
       for (int64_t t = 0; t < W; ++t) kr[t] = t < m ? kp + krows[t] * D : zrow;
     } else {
       for (int64_t t = 0; t < m; ++t) {
         const T* k = kp + krows[t] * D;
         float* kb = kbuf + t * D;
-        for (int64_t c = 0; c < DC; ++c) Vec::store(kb + c * W, Vec::load(k + c * W));
+        for (int64_t c = 0; c < DC; ++c) V::store(kb + c * W, V::load(k + c * W));
       }
       for (int64_t t = m; t < W; ++t) std::memset(kbuf + t * D, 0, D * sizeof(float));
     }
-    if (blk + W < n) {  // the next block's K rows and this block's V rows, from pages in no order
-      const int64_t mn = block_rows(table, start + blk + W, std::min<int64_t>(W, n - blk - W), ps, nrows);
+    if (blk + W < last) {  // the next block's K rows and this block's V rows, from pages in no order
+      const int64_t mn = std::min<int64_t>(W, last - blk - W);
+      block_rows(table, blk + W, mn, ps, nrows);
       for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * sizeof(T));
     }
     for (int64_t t = 0; t < m; ++t) prefetch_row(vp + krows[t] * Dv, Dv * sizeof(T));
-    for (int64_t g = 0; g < G; ++g) {
-      R a[W];
-      for (int t = 0; t < W; ++t) a[t] = Vec::zero();
+    for (int64_t i = 0; i < NQ; ++i) {
+      if (!in_block(i / G, blk)) continue;
+      float* dst = scores + i * span + (blk - first);
+      Reg a[W];
+      for (int t = 0; t < W; ++t) a[t] = V::zero();
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if (dot) {
-        const uint16_t* qh = qbf + 2 * g * D;
-        for (int64_t c = 0; c < D; c += 32) {
-          const __m512bh h = (__m512bh)_mm512_loadu_si512(qh + c);
-          const __m512bh l = (__m512bh)_mm512_loadu_si512(qh + D + c);
-          if (lo_parts) {
-            for (int t = 0; t < W; ++t) {
-              const __m512bh kv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kr[t]) + c);
-              a[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[t], h, kv), l, kv);
+      if constexpr (V::native) {
+        if (dot) {
+          const uint16_t* qh = sc.qbf.data() + 2 * i * D;
+          for (int64_t c = 0; c < D; c += 32) {
+            const __m512bh h = (__m512bh)_mm512_loadu_si512(qh + c);
+            const __m512bh l = (__m512bh)_mm512_loadu_si512(qh + D + c);
+            if (lo_parts) {
+              for (int t = 0; t < W; ++t) {
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kr[t]) + c);
+                a[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[t], h, kv), l, kv);
+              }
+            } else {
+              for (int t = 0; t < W; ++t)
+                a[t] = _mm512_dpbf16_ps(a[t], h, (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kr[t]) + c));
             }
-          } else {
-            for (int t = 0; t < W; ++t)
-              a[t] = _mm512_dpbf16_ps(a[t], h, (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kr[t]) + c));
           }
+          V::reduce(a, dst);
+          continue;
         }
-        Vec::reduce(a, scores + g * npad + blk);
-        continue;
       }
 #endif
-      const float* qg = qf + g * D;
+      const float* qg = qf + (i / G) * qs + (i % G) * D;
       if (direct) {
         for (int64_t c = 0; c < DC; ++c) {
-          const R qc = Vec::load(qg + c * W);
-          for (int t = 0; t < W; ++t) a[t] = Vec::fma(qc, Vec::load(reinterpret_cast<const float*>(kr[t]) + c * W), a[t]);
+          const Reg qc = V::load(qg + c * W);
+          for (int t = 0; t < W; ++t) a[t] = V::fma(qc, V::load(kr[t] + c * W), a[t]);
         }
       } else {
         for (int64_t c = 0; c < DC; ++c) {
-          const R qc = Vec::load(qg + c * W);
+          const Reg qc = V::load(qg + c * W);
           const float* kb = kbuf + c * W;
-          for (int t = 0; t < W; ++t) a[t] = Vec::fma(qc, Vec::load(kb + t * D), a[t]);
+          for (int t = 0; t < W; ++t) a[t] = V::fma(qc, V::load(kb + t * D), a[t]);
         }
       }
-      Vec::reduce(a, scores + g * npad + blk);
+      V::reduce(a, dst);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * npad;
-    softmax_inplace(sg, n);
-    for (int64_t t = n; t < npad; ++t) sg[t] = 0.f;
+  // softmax per query over its own blocks: max (exact in any order), the
+  // exponentials (0 outside [lo, hi)), their sum block by block, lane-wise,
+  // then across the lanes in a fixed tree
+  for (int64_t i = 0; i < NQ; ++i) {
+    const int64_t r = i / G, b0 = lo[r] / W * W - first, b1 = (hi[r] - first + W - 1) / W * W;
+    const int64_t vlo = lo[r] - first, vhi = hi[r] - first;
+    float* s = scores + i * span;
+    float mx = -std::numeric_limits<float>::max();
+    for (int64_t t = vlo; t < vhi; ++t) mx = std::max(mx, s[t]);
+    Reg sum = V::zero();
+    const Reg vm = V::set1(mx);
+    for (int64_t j = b0; j < b1; j += W) {
+      V::store(s + j, vexp<V>(V::sub(V::load(s + j), vm)));
+      for (int64_t t = j; t < j + W; ++t)
+        if (t < vlo || t >= vhi) s[t] = 0.f;
+      sum = V::add(sum, V::load(s + j));
+    }
+    float lanes[W], total;
+    V::store(lanes, sum);
+    if constexpr (W == 16) {
+      float h8[8];
+      for (int k = 0; k < 8; ++k) h8[k] = lanes[k] + lanes[k + 8];
+      total = ((h8[0] + h8[4]) + (h8[2] + h8[6])) + ((h8[1] + h8[5]) + (h8[3] + h8[7]));
+    } else {
+      total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    }
+    const float inv = 1.f / total;
+    for (int64_t j = b0; j < b1; ++j) s[j] *= inv;
   }
-  // weighted sum of V: each chunk of the block's V rows loaded once for the group
-  std::fill(acc, acc + G * Dv, 0.f);
+  // weighted sum of V, block by block: each chunk of the block's V rows loaded
+  // once for every query of the tile
   const T* rows[W];
-  for (int64_t blk = 0; blk < n; blk += W) {
-    const int64_t m = std::min<int64_t>(W, n - blk);
-    block_rows(table, start + blk, m, ps, krows);
+  for (int64_t blk = first; blk < last; blk += W) {
+    const int64_t m = std::min<int64_t>(W, last - blk);
+    block_rows(table, blk, m, ps, krows);
     for (int64_t t = 0; t < W; ++t) rows[t] = t < m ? vp + krows[t] * Dv : zrow;
     for (int64_t c = 0; c < DVC; ++c) {
-      R v[W];
-      for (int t = 0; t < W; ++t) v[t] = Vec::load(rows[t] + c * W);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p = scores + g * npad + blk;
-        R a0 = Vec::mul(Vec::set1(p[0]), v[0]), a1 = Vec::mul(Vec::set1(p[1]), v[1]);
-        R a2 = Vec::mul(Vec::set1(p[2]), v[2]), a3 = Vec::mul(Vec::set1(p[3]), v[3]);
+      Reg v[W];
+      for (int t = 0; t < W; ++t) v[t] = V::load(rows[t] + c * W);
+      for (int64_t i = 0; i < NQ; ++i) {
+        if (!in_block(i / G, blk)) continue;
+        const float* p = scores + i * span + (blk - first);
+        Reg a0 = V::mul(V::set1(p[0]), v[0]), a1 = V::mul(V::set1(p[1]), v[1]);
+        Reg a2 = V::mul(V::set1(p[2]), v[2]), a3 = V::mul(V::set1(p[3]), v[3]);
         for (int t = 4; t < W; t += 4) {
-          a0 = Vec::fma(Vec::set1(p[t]), v[t], a0);
-          a1 = Vec::fma(Vec::set1(p[t + 1]), v[t + 1], a1);
-          a2 = Vec::fma(Vec::set1(p[t + 2]), v[t + 2], a2);
-          a3 = Vec::fma(Vec::set1(p[t + 3]), v[t + 3], a3);
+          a0 = V::fma(V::set1(p[t]), v[t], a0);
+          a1 = V::fma(V::set1(p[t + 1]), v[t + 1], a1);
+          a2 = V::fma(V::set1(p[t + 2]), v[t + 2], a2);
+          a3 = V::fma(V::set1(p[t + 3]), v[t + 3], a3);
         }
-        float* o = acc + g * Dv + c * W;
-        Vec::store(o, Vec::add(Vec::load(o), Vec::add(Vec::add(a0, a1), Vec::add(a2, a3))));
+        float* o = acc + i * Dv + c * W;
+        V::store(o, V::add(V::load(o), V::add(V::add(a0, a1), V::add(a2, a3))));
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(out + g * Dv + d, acc[g * Dv + d]);
-}
-#endif
-
-template <typename T>
-void decode_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, const int32_t* tables,
-                           const int32_t* lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t N,
-                           int64_t ps, int64_t max_pages, int64_t window) {
-  const int64_t G = Hq / Hkv;
-#ifdef PLINTH_VEC_ATTENTION
-  if (D % Vec::W == 0 && Dv % Vec::W == 0) {
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, kbuf(Vec::W * D), acc(G * Dv);
-      std::vector<T> zrow(std::max(D, Dv), T{});
-      std::vector<uint16_t> qbf(2 * G * D);
-      for (int64_t idx = begin; idx < end; ++idx) {
-        const int64_t b = idx / Hkv, h = idx % Hkv;
-        const int64_t L = lens[b];
-        const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-        const int64_t n = L - start;
-        scores.resize(G * ((n + Vec::W - 1) / Vec::W * Vec::W));
-        attend_blocks<T>(qf_all + (b * Hq + h * G) * D, kp + h * N * ps * D, vp + h * N * ps * Dv,
-                         op + (b * Hq + h * G) * Dv, tables + b * max_pages, start, n, G, D, Dv, ps, scores.data(),
-                         kbuf.data(), acc.data(), qbf.data(), zrow.data());
-      }
-    });
-    return;
+  for (int64_t i = 0; i < NQ; ++i) {
+    T* o = out + (i / G) * os + (i % G) * Dv;
+    for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(o + d, acc[i * Dv + d]);
   }
-#endif
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * Dv), row(std::max(D, Dv));
+}
+
+// query rows per tile of a prefill chunk: its rows share each K/V block's loads
+constexpr int64_t ATTENTION_TILE_ROWS = 8;
+
+// every row of the batch (see above); qsl [B + 1], lens [B], tables [B, max_pages]
+template <typename T>
+void paged_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, const int32_t* tables,
+                          const int64_t* qsl, const int32_t* lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                          int64_t Dv, int64_t N, int64_t ps, int64_t max_pages, int64_t window) {
+  TORCH_CHECK(D % 8 == 0 && Dv % 8 == 0, "cpukernels attention: head sizes must be multiples of 8, got ", D, " and ", Dv);
+  const int64_t G = Hq / Hkv;
+  std::vector<int64_t> tiles;  // (sequence, first row, rows)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = qsl[b]; r < qsl[b + 1]; r += ATTENTION_TILE_ROWS)
+      tiles.insert(tiles.end(), {b, r, std::min<int64_t>(ATTENTION_TILE_ROWS, qsl[b + 1] - r)});
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) / 3;
+  at::parallel_for(0, num_tiles * Hkv, 1, [&](int64_t begin, int64_t end) {
+    AttendScratch sc;
+    std::vector<T> zrow(std::max(D, Dv), T{});
+    int64_t lo[ATTENTION_TILE_ROWS], hi[ATTENTION_TILE_ROWS];
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / Hkv, h = idx % Hkv;
-      const int64_t L = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const int64_t n = L - start;
+      const int64_t* tile = tiles.data() + (idx / Hkv) * 3;
+      const int64_t b = tile[0], row = tile[1], R = tile[2], h = idx % Hkv;
+      const int64_t first_pos = lens[b] - (qsl[b + 1] - qsl[b]) + (row - qsl[b]);
+      for (int64_t r = 0; r < R; ++r) {
+        hi[r] = first_pos + r + 1;
+        lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window) : 0;
+      }
+      const float* qf = qf_all + (row * Hq + h * G) * D;
+      T* out = op + (row * Hq + h * G) * Dv;
       const int32_t* table = tables + b * max_pages;
-      const float* qf = qf_all + (b * Hq + h * G) * D;
-      scores.resize(G * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = start + t;
-        const T* k = kp + ((h * N + table[pos / ps]) * ps + pos % ps) * D;
-        float* r = row.data();
-        for (int64_t d = 0; d < D; ++d) r[d] = Elem<T>::load(k + d);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf + g * D;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
-          scores[g * n + t] = s;
-        }
+      const T* kh = kp + h * N * ps * D;
+      const T* vh = vp + h * N * ps * Dv;
+#ifdef PLINTH_VEC_ATTENTION
+      if (D % Vec::W == 0 && Dv % Vec::W == 0) {
+        attend_tile<Vec, T>(qf, Hq * D, out, Hq * Dv, kh, vh, table, lo, hi, R, G, D, Dv, ps, sc, zrow.data());
+        continue;
       }
-      for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * n, n);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = start + t;
-        const T* v = vp + ((h * N + table[pos / ps]) * ps + pos % ps) * Dv;
-        float* r = row.data();
-        for (int64_t d = 0; d < Dv; ++d) r[d] = Elem<T>::load(v + d);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + t];
-          float* a = acc.data() + g * Dv;
-          for (int64_t d = 0; d < Dv; ++d) a[d] += p * r[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(op + (b * Hq + h * G + g) * Dv + d, acc[g * Dv + d]);
+#endif
+      attend_tile<Vec8, T>(qf, Hq * D, out, Hq * Dv, kh, vh, table, lo, hi, R, G, D, Dv, ps, sc, zrow.data());
     }
   });
 }
@@ -412,41 +540,65 @@ inline void rotate_head(const X* x, Y* y, const float* c, int64_t half, int64_t 
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale_d,
-                                     int64_t window) {
+namespace {
+// query_start_loc as int64 on the host ([0, 1, ..., B] when undefined: one row per sequence)
+std::vector<int64_t> query_starts(const c10::optional<torch::Tensor>& qsl, int64_t B, int64_t T) {
+  std::vector<int64_t> out(B + 1);
+  if (qsl.has_value() && qsl->defined()) {
+    TORCH_CHECK(qsl->numel() == B + 1, "cpukernels: query_start_loc needs ", B + 1, " entries, got ", qsl->numel());
+    auto t = qsl->to(torch::kInt64).contiguous();
+    std::memcpy(out.data(), t.data_ptr<int64_t>(), (B + 1) * sizeof(int64_t));
+  } else {
+    for (int64_t b = 0; b <= B; ++b) out[b] = b;
+  }
+  TORCH_CHECK(out[0] == 0 && out[B] == T, "cpukernels: query_start_loc must run from 0 to the ", T, " query rows");
+  return out;
+}
+}  // namespace
+
+// q [T, Hq, D] -> [T, Hq, Dv]: every row over its sequence's pages (see paged_attention_impl)
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_tables,
+                              c10::optional<torch::Tensor> query_start_loc, torch::Tensor seq_lens, double scale_d,
+                              int64_t window) {
   TORCH_CHECK(q.is_contiguous() && k_pages.is_contiguous() && v_pages.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32);
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t T_ = q.size(0), Hq = q.size(1), D = q.size(2), B = seq_lens.size(0);
   const int64_t Hkv = k_pages.size(0), N = k_pages.size(1), ps = k_pages.size(2), Dv = v_pages.size(3);
+  const auto qsl = query_starts(query_start_loc, B, T_);
   auto tables_t = block_tables.contiguous();
   auto lens_t = seq_lens.contiguous();
-  auto out = torch::empty({B, Hq, Dv}, q.options());
-  auto qf = torch::empty({B, Hq, D}, q.options().dtype(torch::kFloat32));
+  auto out = torch::empty({T_, Hq, Dv}, q.options());
+  auto qf = torch::empty({T_, Hq, D}, q.options().dtype(torch::kFloat32));
   const float scale = static_cast<float>(scale_d);
   dispatch(q, [&](auto tag) {
     using T = decltype(tag);
     const T* qp = cptr<T>(q);
     float* qfp = qf.data_ptr<float>();
-    for (int64_t i = 0; i < B * Hq * D; ++i) qfp[i] = Elem<T>::load(qp + i) * scale;  // as q.float() * scale
-    decode_attention_impl<T>(qfp, cptr<T>(k_pages), cptr<T>(v_pages), ptr<T>(out),
-                             tables_t.data_ptr<int32_t>(), lens_t.data_ptr<int32_t>(), B, Hq, Hkv, D, Dv, N, ps,
-                             tables_t.size(1), window);
+    for (int64_t i = 0; i < T_ * Hq * D; ++i) qfp[i] = Elem<T>::load(qp + i) * scale;  // as q.float() * scale
+    paged_attention_impl<T>(qfp, cptr<T>(k_pages), cptr<T>(v_pages), ptr<T>(out), tables_t.data_ptr<int32_t>(),
+                            qsl.data(), lens_t.data_ptr<int32_t>(), B, Hq, Hkv, D, Dv, N, ps, tables_t.size(1), window);
   });
   return out;
 }
 
-// ---- a decode step's attention block from the fused q/k/v projection --------------------
-// qkv [B, (Hq + 2 Hkv) * D] (one token per sequence); rotates q and k (positions
-// [B] int64, cos_sin [max_pos, R] float32), writes k and v into the pages at
-// slots [B] int64, then attends as paged_decode_attention. Returns [B, Hq * D].
-// One call for what is otherwise a split, two rotary calls, two page writes and
-// the attention (the rounding of q and k to the activation dtype is kept, so
-// the result equals the unfused ops').
-torch::Tensor decode_qkv_attention(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_sin, bool is_neox,
-                                   torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor slots,
-                                   torch::Tensor block_tables, torch::Tensor seq_lens, int64_t Hq, double scale_d,
-                                   int64_t window) {
+// one query row per sequence (block_tables and seq_lens per row)
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale_d,
+                                     int64_t window) {
+  return paged_attention(q, k_pages, v_pages, block_tables, c10::nullopt, seq_lens, scale_d, window);
+}
+
+// ---- a step's attention block from the fused q/k/v projection ---------------------------
+// qkv [T, (Hq + 2 Hkv) * D]; rotates q and k (positions [T] int64, cos_sin
+// [max_pos, R] float32), writes k and v into the pages at slots [T] int64, then
+// attends as paged_attention (query_start_loc [B + 1]; none: one row per
+// sequence). Returns [T, Hq * D]. One call for what is otherwise a split, two
+// rotary calls, two page writes and the attention (the rounding of q and k to
+// the activation dtype is kept, so the result equals the unfused ops').
+torch::Tensor paged_qkv_attention(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_sin, bool is_neox,
+                                  torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor slots,
+                                  torch::Tensor block_tables, c10::optional<torch::Tensor> query_start_loc,
+                                  torch::Tensor seq_lens, int64_t Hq, double scale_d, int64_t window) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_pages.is_contiguous() && v_pages.is_contiguous());
   TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32);
@@ -454,7 +606,8 @@ torch::Tensor decode_qkv_attention(torch::Tensor qkv, torch::Tensor positions, t
   const int64_t B = qkv.size(0), Hkv = k_pages.size(0), N = k_pages.size(1), ps = k_pages.size(2),
                 D = k_pages.size(3);
   TORCH_CHECK(v_pages.size(3) == D && qkv.size(1) == (Hq + 2 * Hkv) * D, "cpukernels: qkv is not [B, (Hq + 2 Hkv) * D]");
-  const int64_t R = cos_sin.size(1), half = R / 2, row_stride = qkv.stride(0);
+  const int64_t R = cos_sin.size(1), half = R / 2, row_stride = qkv.stride(0), num_seqs = seq_lens.size(0);
+  const auto qsl = query_starts(query_start_loc, num_seqs, B);
   auto pos_t = positions.to(torch::kInt64).contiguous();
   auto slots_t = slots.to(torch::kInt64).contiguous();
   auto tables_t = block_tables.contiguous();
@@ -483,8 +636,8 @@ torch::Tensor decode_qkv_attention(torch::Tensor qkv, torch::Tensor positions, t
         }
       }
     });
-    decode_attention_impl<T>(qfp, kp, vp, ptr<T>(out), tables_t.data_ptr<int32_t>(), lens_t.data_ptr<int32_t>(), B, Hq,
-                             Hkv, D, D, N, ps, tables_t.size(1), window);
+    paged_attention_impl<T>(qfp, kp, vp, ptr<T>(out), tables_t.data_ptr<int32_t>(), qsl.data(), lens_t.data_ptr<int32_t>(),
+                            num_seqs, Hq, Hkv, D, D, N, ps, tables_t.size(1), window);
   });
   return out;
 }

@@ -249,7 +249,8 @@ inline void unpack_chunk(int fmt, const uint8_t* blk, int j, Chunk& c) {
 
 #if !defined(PLINTH_QUANT_SIMD)
 
-template <int R>
+// each row's order is the same for every R: INVARIANT changes nothing here
+template <int R, bool INVARIANT = false>
 void dot_rows(int fmt, const uint8_t* row, const QuantizedActivations& a, int64_t m0, float* out) {
   const Layout L = layout_of(fmt);
   const int64_t K = a.K;
@@ -380,15 +381,15 @@ void dot_rows_q8_0(const uint8_t* row, const QuantizedActivations& a, int64_t m0
 // offset (Q4_0: -8) and Q4_1's minimum are a float term
 // c_b * (d_a * sum_a) per block, taken 8 blocks at a time as one vector fma
 // with the row's precomputed d_a * sum_a (QuantizedActivations::ds).
-template <int R, int FMT>
+// P accumulators a row (blocks alternate between them) so that few rows
+// do not wait on one chain of fma latencies; P fixes each row's summation
+// order, so the batch-invariant mode passes one P for every R.
+template <int R, int FMT, int P = (R == 1 ? 4 : R <= 4 ? 2 : 1)>
 void dot_rows_32(const uint8_t* row, const QuantizedActivations& a, int64_t m0, float* out) {
   static_assert(FMT == Q4_0 || FMT == Q4_1, "dot_rows_32: Q4_0 or Q4_1");
   constexpr int bytes = FMT == Q4_0 ? 18 : 20;
   constexpr bool offset_term = true;
   const int64_t nb = a.K / 32;
-  // P accumulators a row (blocks alternate between them) so that few rows
-  // do not wait on one chain of fma latencies
-  constexpr int P = R == 1 ? 4 : R <= 4 ? 2 : 1;
   __m256 acc[R * P];
   for (int i = 0; i < R * P; ++i) acc[i] = _mm256_setzero_ps();
   const int8_t* q[R];
@@ -549,13 +550,22 @@ void dot_rows_q6_k(const uint8_t* row, const QuantizedActivations& a, int64_t m0
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
-template <int R>
+// INVARIANT: every row summed in one order whatever R (Q4_0/Q4_1 through
+// dot_rows_32 with P = 2, R <= 4); the other kernels' per-row order never
+// depends on R.
+template <int R, bool INVARIANT = false>
 void dot_rows(int fmt, const uint8_t* row, const QuantizedActivations& a, int64_t m0, float* out) {
   switch (fmt) {
     // dot_rows_32 measured faster from 3 rows (SmolLM2-135M's Q4_1 shapes, one
     // thread), slower at 1-2 rows with K = 576 and for Q8_0 (its head) at every count
-    case Q4_0: if constexpr (R >= 3) return dot_rows_32<R, Q4_0>(row, a, m0, out); else return dot_rows_q4_0_q4_1<R>(false, row, a, m0, out);
-    case Q4_1: if constexpr (R >= 3) return dot_rows_32<R, Q4_1>(row, a, m0, out); else return dot_rows_q4_0_q4_1<R>(true, row, a, m0, out);
+    case Q4_0:
+      if constexpr (INVARIANT) return dot_rows_32<R, Q4_0, 2>(row, a, m0, out);
+      else if constexpr (R >= 3) return dot_rows_32<R, Q4_0>(row, a, m0, out);
+      else return dot_rows_q4_0_q4_1<R>(false, row, a, m0, out);
+    case Q4_1:
+      if constexpr (INVARIANT) return dot_rows_32<R, Q4_1, 2>(row, a, m0, out);
+      else if constexpr (R >= 3) return dot_rows_32<R, Q4_1>(row, a, m0, out);
+      else return dot_rows_q4_0_q4_1<R>(true, row, a, m0, out);
     case Q8_0: return dot_rows_q8_0<R>(row, a, m0, out);
     case Q4_K: if constexpr (R <= 4) return dot_rows_q45_k<R>(false, row, a, m0, out); break;
     case Q5_K: if constexpr (R <= 4) return dot_rows_q45_k<R>(true, row, a, m0, out); break;
@@ -673,8 +683,9 @@ inline void store_out<uint16_t>(uint16_t* p, float v) { *p = f32_to_bf16(v); }
 // K / block * bytes] rows of blocks (format code fmt) -> [M, N] in x's dtype.
 // Threads split the output rows; each takes a tile of rows at a time and runs
 // every activation row (up to 8 at once for blocks of 32, 4 for the K-quants)
-// over it while it is in L1.
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
+// over it while it is in L1. invariant: each row's sums in one order whatever
+// M (4 rows at once for every format; deterministic mode).
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, bool invariant) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == torch::kUInt8, "gguf_linear: x [M, K], w uint8 [N, row bytes]");
   x = x.contiguous();
   TORCH_CHECK(w.is_contiguous(), "gguf_linear: w must be contiguous");
@@ -693,14 +704,21 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
     const int64_t tile = std::max<int64_t>(1, 16384 / row_bytes);
     at::parallel_for(0, N, std::max<int64_t>(4, 65536 / (row_bytes * std::max<int64_t>(1, M))), [&](int64_t begin, int64_t end) {
       float res[8];
-      const int64_t rmax = is_k_quant(static_cast<int>(fmt)) ? 4 : 8;
+      const int64_t rmax = is_k_quant(static_cast<int>(fmt)) || invariant ? 4 : 8;
       for (int64_t n0 = begin; n0 < end; n0 += tile) {
         const int64_t n1 = std::min(end, n0 + tile);
         for (int64_t m0 = 0; m0 < M; m0 += rmax) {
           const int64_t r = std::min<int64_t>(rmax, M - m0);
           for (int64_t n = n0; n < n1; ++n) {
             const uint8_t* row = wp + n * row_bytes;
-            switch (r) {
+            if (invariant) {
+              switch (r) {
+                case 4: dot_rows<4, true>(static_cast<int>(fmt), row, a, m0, res); break;
+                case 3: dot_rows<3, true>(static_cast<int>(fmt), row, a, m0, res); break;
+                case 2: dot_rows<2, true>(static_cast<int>(fmt), row, a, m0, res); break;
+                default: dot_rows<1, true>(static_cast<int>(fmt), row, a, m0, res); break;
+              }
+            } else switch (r) {
               case 8: dot_rows<8>(static_cast<int>(fmt), row, a, m0, res); break;
               case 7: dot_rows<7>(static_cast<int>(fmt), row, a, m0, res); break;
               case 6: dot_rows<6>(static_cast<int>(fmt), row, a, m0, res); break;

@@ -1,0 +1,182 @@
+"""Batch invariance (``--deterministic``): a row's result must be bit for bit
+the same whatever other rows share the call, however many, and wherever the
+row sits among them; and one sequence's attention rows must be the same
+however a server computes them (decode, prefill, chunks, verification, among
+other sequences).
+
+``batch_invariance_problems(fn, rows)`` runs ``fn`` on one probe row alone
+and then inside batches of other rows of the pool at several sizes and
+positions, and lists every batch where the probe's output is not
+``torch.equal`` to the lone result. ``fn`` takes the row-aligned tensors of a
+batch (each [M, ...]) and returns a tensor or a tuple of tensors [M, ...].
+
+``attention_invariance_problems(ops, dtype, device)`` computes one sequence's
+attention every way below, at every page size given:
+
+* ``decode``: one token per step, from position 0;
+* ``prefill``: the whole prompt as one chunk (cold, unchunked);
+* ``chunks a+b+...``: the prompt in chunks, each later chunk reading the
+  earlier K/V back from the pages (what a prefix-cache hit does too);
+* ``verify``: decode to a point, then steps of k + 1 rows (a speculative
+  verification), then decode again;
+* ``among others``: the same chunks inside steps that carry other sequences
+  (prefill chunks and decodes) before and after it.
+
+The sequence's q/k/v (or fused qkv) per position are fixed by a seed, so every
+way sees the same inputs; any output of a position that differs from the
+``decode`` way's is a problem. Both are used by the backends' tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from plinth.testing.backend import attention_metadata
+
+#: the batch sizes a probe row is put among (1: the lone row itself, called again)
+BATCH_SIZES = (1, 2, 3, 7, 16, 17, 33, 64)
+
+
+def _outputs(result: Any) -> tuple[Any, ...]:
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def batch_invariance_problems(
+    fn: Callable[..., Any],
+    rows: Sequence[Any],
+    *,
+    probes: Sequence[int] = (0, 5),
+    sizes: Sequence[int] = BATCH_SIZES,
+) -> list[str]:
+    """Every (probe, batch size, position) whose outputs differ from the
+    probe row computed alone; empty when ``fn`` is batch-invariant on these
+    rows. ``rows``: row-aligned tensors [P, ...], P >= max(sizes)."""
+    import torch
+
+    pool = rows[0].shape[0]
+    if pool < max(sizes):
+        raise ValueError(f"a pool of {pool} rows cannot fill batches of {max(sizes)}")
+    problems = []
+    for probe in probes:
+        alone = _outputs(fn(*(t[probe : probe + 1].clone() for t in rows)))
+        others = [i for i in range(pool) if i != probe]
+        for size in sizes:
+            for position in sorted({0, size // 2, size - 1}):
+                # other rows around it, a different selection per size
+                fill = others[size % len(others) :] + others[: size % len(others)]
+                index = fill[:position] + [probe] + fill[position : size - 1]
+                got = _outputs(fn(*(t[index].clone() for t in rows)))
+                for k, (a, b) in enumerate(zip(alone, got)):
+                    if not torch.equal(a[0], b[position]):
+                        diff = (a[0].float() - b[position].float()).abs().max().item()
+                        problems.append(f"output {k} of row {probe} at position {position} of {size}: max abs diff {diff:.3g}")
+    return problems
+
+
+
+@dataclass
+class InvarianceCase:
+    """The sequence under test and the shapes."""
+
+    length: int = 75  # crosses blocks of 8, 16 and 32 keys
+    heads: tuple[int, int] = (9, 3)  # SmolLM2's grouped-query shape
+    head_dim: int = 64
+    window: int | None = None
+    fused: bool = False  # qkv_attention (rotary inside) instead of attention
+    seed: int = 0
+
+
+def _ways(length: int) -> dict[str, list[list[int]]]:
+    """way -> steps, each step the sequence's chunk sizes (one chunk per step)."""
+    third = length // 3
+    return {
+        "decode": [[1]] * length,
+        "prefill": [[length]],
+        f"chunks {third}+{length - third}": [[third], [length - third]],
+        "chunks 5+32+rest": [[5], [32], [length - 37]],
+        "chunks 17 then decode": [[17]] + [[1]] * (length - 17),
+        "verify k=4": [[1]] * 30 + [[5]] * ((length - 30) // 5) + [[1]] * ((length - 30) % 5),
+    }
+
+
+def attention_invariance_problems(
+    ops: Any, dtype: Any, device: Any, *, page_sizes: tuple[int, ...] = (16, 7), case: InvarianceCase | None = None
+) -> list[str]:
+    """Every position whose output differs between two ways of computing it
+    (empty: invariant). ``ops``: an op table (``plinth.testing.op_table``)."""
+    import torch
+
+    case = case or InvarianceCase()
+    num_heads, num_kv = case.heads
+    dim, length = case.head_dim, case.length
+    g = torch.Generator().manual_seed(case.seed)
+    width = (num_heads + 2 * num_kv) * dim
+    data = torch.randn(length, width, generator=g).to(dtype)  # the sequence's q|k|v per position
+    others = torch.randn(4096, width, generator=g).to(dtype)  # the other sequences' rows
+    cos_sin = torch.cat([torch.rand(length + 64, dim // 2, generator=g) * 6.28] * 2, dim=1)
+    cos_sin[:, : dim // 2].cos_()
+    cos_sin[:, dim // 2 :].sin_()
+    cos_sin = cos_sin.to(device)
+    scale = dim**-0.5
+
+    def run(steps: list[list[int]], page_size: int, crowd: bool) -> torch.Tensor:
+        """The sequence's output rows [length, Hq * Dv], computed in these steps."""
+        per_seq = -(-max(length, 1200) // page_size)  # room for the other sequences' tokens too
+        num_pages = 3 * per_seq
+        cache = ops.allocate_kv_cache(
+            num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype, device=device,
+        )
+        order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(page_size)).tolist()
+        tables = [order[0:per_seq], order[per_seq : 2 * per_seq], order[2 * per_seq : 3 * per_seq]]
+        out = torch.empty(length, num_heads * dim, dtype=dtype)
+        done, other_done, cursor = 0, [0, 0], 0
+        for i, (n,) in enumerate(steps):
+            seqs, rows = [], []
+            if crowd:  # another sequence before (a prefill chunk or a decode) and one after (decoding)
+                before = 1 + (i * 7) % 23 if i % 2 == 0 else 1
+                seqs.append((other_done[0], before))
+                rows.append(others[cursor : cursor + before])
+                cursor, other_done[0] = cursor + before, other_done[0] + before
+            seqs.append((done, n))
+            rows.append(data[done : done + n])
+            if crowd:
+                seqs.append((other_done[1], 1))
+                rows.append(others[cursor : cursor + 1])
+                cursor, other_done[1] = cursor + 1, other_done[1] + 1
+            seq_tables = [tables[1], tables[0], tables[2]] if crowd else [tables[0]]
+            meta = attention_metadata(seqs, seq_tables, page_size, device)
+            ops.prepare_attention(meta)
+            x = torch.cat(rows).to(device)
+            t = x.shape[0]
+            if case.fused:
+                y = ops.qkv_attention(
+                    x, meta.positions, cos_sin, True, cache, meta, num_heads=num_heads, num_kv_heads=num_kv,
+                    head_dim=dim, scale=scale, sliding_window=case.window,
+                )
+            else:
+                q, k, v = x.split((num_heads * dim, num_kv * dim, num_kv * dim), dim=-1)
+                y = ops.attention(
+                    q.reshape(t, num_heads, dim), k.reshape(t, num_kv, dim), v.reshape(t, num_kv, dim), cache, meta,
+                    scale=scale, sliding_window=case.window,
+                )
+            first = seqs[0][1] if crowd else 0
+            out[done : done + n] = y.reshape(t, -1)[first : first + n].cpu()
+            done += n
+        return out
+
+    results: dict[str, torch.Tensor] = {}
+    for page_size in page_sizes:
+        for name, steps in _ways(length).items():
+            results[f"{name}, page size {page_size}"] = run(steps, page_size, crowd=False)
+        results[f"chunks among others, page size {page_size}"] = run(_ways(length)[f"chunks {length // 3}+{length - length // 3}"], page_size, crowd=True)
+        results[f"decode among others, page size {page_size}"] = run(_ways(length)["decode"], page_size, crowd=True)
+    base_name = f"decode, page size {page_sizes[0]}"
+    base = results[base_name]
+    problems = []
+    for name, got in results.items():
+        differ = [p for p in range(length) if not torch.equal(got[p], base[p])]
+        if differ:
+            worst = float((got.float() - base.float()).abs().max())
+            problems.append(f"{name}: {len(differ)} of {length} positions differ from '{base_name}' (first {differ[:5]}, max abs diff {worst:.3g})")
+    return problems

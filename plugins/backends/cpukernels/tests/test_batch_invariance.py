@@ -1,0 +1,118 @@
+"""Deterministic mode (``SelectionContext.deterministic``): every linear and
+row-wise op of the cpukernels op table (as start-up merges it with the
+reference's) gives each row bit for bit the same result alone and among
+1-64 other rows, at any position (``plinth.testing.invariance``): dense
+weights in bfloat16 and float32, the GGUF formats kept in their blocks with
+bfloat16 and float32 activations, rms_norm (with and without the fused
+residual), silu_and_mul and rotary."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from plinth.api import QuantizedWeight, SelectionContext, load_accelerator
+from plinth.testing import op_table
+from plinth.testing.invariance import batch_invariance_problems
+from plinth_plugin_cpukernels.backend import CPUKernelsBackend, accelerator_isa, bf16_gemm_missing
+from plinth_plugin_cpukernels.gemm import ALL_ROWS, linear_kernel_path, load_linear_kernels
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_quant import random_blocks  # noqa: E402
+from test_small_gemm import BUILDS  # noqa: E402
+
+CPU = load_accelerator("cpu")
+DTYPES = [torch.bfloat16, torch.float32]
+POOL = 64
+#: (N, K): SmolLM2's o projection; a K that is odd and an N not a multiple of 16
+DENSE_SHAPES = [(576, 576), (200, 577)]
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+
+
+def _ops(dtype):
+    if dtype == torch.bfloat16 and bf16_gemm_missing(accelerator_isa(SelectionContext(accelerator=CPU))):
+        pytest.skip("this CPU cannot run oneDNN bf16 GEMMs: cpukernels leaves bf16 linear to the reference")
+    ctx = SelectionContext(accelerator=CPU, dtype=dtype, deterministic=True)
+    assert "linear" not in CPUKernelsBackend.unsupported_ops(ctx)
+    return op_table(ctx, "cpukernels")
+
+
+def _assert_invariant(fn, *rows):
+    problems = batch_invariance_problems(fn, rows)
+    assert not problems, f"{len(problems)} batches differ: " + "; ".join(problems[:6])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", DENSE_SHAPES, ids=str)
+def test_dense_linear(dtype, shape):
+    ops = _ops(dtype)
+    torch.manual_seed(0)
+    n, k = shape
+    weight = ops.pack_linear(torch.randn(n, k).to(dtype) / k**0.5)
+    assert weight.packed is None and weight.small_rows == ALL_ROWS  # every batch streams, no oneDNN copy
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(POOL, k).to(dtype)
+    _assert_invariant(lambda x: ops.linear(x, weight), x)
+    _assert_invariant(lambda x: ops.linear(x, weight, bias), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("isa", BUILDS, ids=lambda isa: linear_kernel_path(isa))
+def test_streaming_kernel_on_every_code_path(isa, dtype):
+    """The kernel deterministic mode runs for every batch, built for each
+    code path this CPU can run (the scalar one too: aarch64 takes it)."""
+    k = load_linear_kernels(isa)
+    torch.manual_seed(5)
+    n, kdim = 200, 577
+    packed = k.linear_pack(torch.randn(n, kdim).to(dtype))
+    _assert_invariant(lambda x: k.linear_small(x, packed, n, kdim, None), torch.randn(POOL, kdim).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_linear(dtype, type_name):
+    ops = _ops(dtype)
+    k = 512 if type_name.endswith("_K") else 576
+    blocks, _ = random_blocks(type_name, 96, k)
+    block = 256 if type_name.endswith("_K") else 32
+    weight = ops.pack_linear(
+        QuantizedWeight(format=f"gguf_{type_name.lower()}", qweight=blocks, scale=torch.empty(0), shape=(96, k), block_size=(1, block))
+    )
+    assert type(weight).__name__ == "GGUFLinear"  # kept in its blocks
+    torch.manual_seed(1)
+    x = torch.randn(POOL, k).to(dtype)
+    _assert_invariant(lambda x: ops.linear(x, weight), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [576, 100])
+def test_rms_norm(dtype, hidden):
+    ops = _ops(dtype)
+    torch.manual_seed(2)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    x, residual = torch.randn(POOL, hidden).to(dtype), torch.randn(POOL, hidden).to(dtype)
+    _assert_invariant(lambda x: ops.rms_norm(x, weight, 1e-5), x)
+    _assert_invariant(lambda x, r: ops.rms_norm(x, weight, 1e-5, r), x, residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul(dtype):
+    ops = _ops(dtype)
+    torch.manual_seed(3)
+    _assert_invariant(ops.silu_and_mul, torch.randn(POOL, 2 * 1536).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary(dtype, is_neox):
+    ops = _ops(dtype)
+    torch.manual_seed(4)
+    d = 64
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.arange(256).float()[:, None] * inv[None]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), -1)
+    q, k = torch.randn(POOL, 9, d).to(dtype), torch.randn(POOL, 3, d).to(dtype)
+    positions = torch.randint(0, 256, (POOL,))
+    _assert_invariant(lambda q, k, p: ops.rotary(q, k, p, cos_sin, is_neox), q, k, positions)

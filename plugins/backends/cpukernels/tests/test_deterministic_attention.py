@@ -1,0 +1,108 @@
+"""--deterministic attention on the cpukernels backend: one sequence's rows
+computed as a one-token decode, a speculative verification's k + 1 rows, a
+row of a prefill chunk of any length chunked anywhere (later chunks reading
+the earlier K/V from the pages, as after a prefix-cache hit), at page sizes
+16 and 7, alone or among other sequences, are bit-identical
+(``plinth.testing.invariance``), bf16 and float32, GQA, with and without a
+sliding window, for ``attention`` and the fused ``qkv_attention``.
+
+Before this mode existed, steps with a prefill chunk longer than 16 tokens
+went to the reference's SDPA: in bfloat16, 74 of 75 prefill rows differed
+from the decode rows, and 11 of 75 decode rows differed when another
+sequence's chunk shared the step. The default mode still does that, which
+``test_default_mode_is_not_batch_invariant`` keeps showing (so the check can
+fail)."""
+
+import pytest
+import torch
+from plinth.api import SelectionContext, load_accelerator
+from plinth.testing import attention_metadata, op_table
+from plinth.testing.invariance import InvarianceCase, attention_invariance_problems
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tables():
+    acc = load_accelerator("cpu")
+    built = {}
+
+    def get(dtype, deterministic):
+        key = (dtype, deterministic)
+        if key not in built:
+            built[key] = op_table(SelectionContext(accelerator=acc, dtype=dtype, deterministic=deterministic), "cpukernels")
+        return built[key]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("fused", [False, True], ids=["attention", "qkv_attention"])
+def test_rows_are_bit_identical_every_way(tables, dtype, window, fused):
+    case = InvarianceCase(length=50, window=window, fused=fused)
+    problems = attention_invariance_problems(tables(dtype, True), dtype, CPU, case=case)
+    assert not problems, "\n".join(problems)
+
+
+def test_default_mode_is_not_batch_invariant(tables):
+    """Without --deterministic, long prefill chunks take the reference's SDPA,
+    whose rows differ from the kernel's decode rows: the harness sees it."""
+    problems = attention_invariance_problems(tables(torch.bfloat16, False), torch.bfloat16, CPU, case=InvarianceCase(length=50))
+    assert any(p.startswith("prefill, page size 16") for p in problems), problems
+    assert not any(p.startswith("verify") or p.startswith("decode, page size 7") for p in problems), problems
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [0, 37])
+def test_prefill_tiles_against_float64(dtype, window):
+    """The kernel's prefill path (tiles of query rows over shared key blocks)
+    is right, not only invariant: chunks after cached prefixes of several
+    lengths, against softmax(q k^T) v in float64 over the same pages."""
+    from plinth_plugin_cpukernels.backend import accelerator_isa
+    from plinth_plugin_cpukernels.kernels import load_kernels
+
+    kernels = load_kernels(accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu"))))
+    g = torch.Generator().manual_seed(7)
+    page_size, hq, hkv, d = 7, 9, 3, 64
+    seqs = [(0, 50), (13, 20), (40, 1), (0, 3), (90, 17)]  # (cached, new)
+    pages_per = [-(-(c + n) // page_size) for c, n in seqs]
+    order = torch.randperm(sum(pages_per), generator=g).tolist()
+    page_lists = [[order.pop() for _ in range(p)] for p in pages_per]
+    meta = attention_metadata(seqs, page_lists, page_size, CPU)
+    kp = torch.randn(hkv, sum(pages_per), page_size, d, generator=g).to(dtype)
+    vp = torch.randn(hkv, sum(pages_per), page_size, d, generator=g).to(dtype)
+    q = torch.randn(meta.positions.numel(), hq, d, generator=g).to(dtype)
+    out = kernels.paged_attention(q, kp, vp, meta.block_tables, meta.query_start_loc, meta.seq_lens, d**-0.5, window)
+    row = 0
+    for (cached, n), pages in zip(seqs, page_lists):
+        for pos in range(cached, cached + n):
+            keys = torch.arange(max(0, pos + 1 - window) if window else 0, pos + 1)
+            slots = torch.tensor(pages)[keys // page_size] * page_size + keys % page_size
+            k_rows = kp.reshape(hkv, -1, d)[:, slots].double().repeat_interleave(hq // hkv, 0)  # [Hq, n, D]
+            v_rows = vp.reshape(hkv, -1, d)[:, slots].double().repeat_interleave(hq // hkv, 0)
+            scores = (q[row].double() * d**-0.5).unsqueeze(1) @ k_rows.transpose(1, 2)  # [Hq, 1, n]
+            want = (torch.softmax(scores, -1) @ v_rows).squeeze(1)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out[row].double(), want.to(dtype).double(), atol=tol, rtol=tol)
+            row += 1
+
+
+def test_the_kernel_takes_every_step_in_deterministic_mode(tables):
+    """Prefill chunks and mixed steps run in the kernel (not the reference's
+    SDPA) in this mode; outside it they still go to the reference."""
+    from plinth_plugin_cpukernels.attention import KERNEL_STEP
+
+    meta = attention_metadata([(0, 40), (20, 1)], [[0, 1, 2], [3, 4]], 16, CPU)
+    tables(torch.bfloat16, True).prepare_attention(meta)
+    assert meta.backend_state[KERNEL_STEP] is True
+    tables(torch.bfloat16, False).prepare_attention(meta)
+    assert meta.backend_state[KERNEL_STEP] is False
+
+
+def test_deterministic_mode_declines_no_attention_op():
+    from plinth_plugin_cpukernels.backend import CPUKernelsBackend
+
+    ctx = SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.bfloat16, deterministic=True)
+    declined = CPUKernelsBackend.unsupported_ops(ctx)
+    assert not {"attention", "qkv_attention", "prepare_attention"} & set(declined), declined
