@@ -20,7 +20,12 @@ class DictStore:
         self.values = {}
         self.lock = threading.Lock()
         self.mode = "ok"  # "raise" | "stall"
+        self.stall_s = 3.0  # how long a stalled call takes before it answers
         self.calls = 0
+        #: register_buffer calls: (thread, first address, bytes); and load/save
+        #: calls whose buffers were not in their thread's registered area
+        self.registrations: list[tuple[int, int, int]] = []
+        self.unregistered_calls = 0
 
     def connector(self, layout):
         store = self
@@ -31,7 +36,15 @@ class DictStore:
                 if store.mode == "raise":
                     raise ConnectionError("store down")
                 if store.mode == "stall":
-                    time.sleep(3)
+                    time.sleep(store.stall_s)
+
+            def register_buffer(self, buffer):
+                store.registrations.append((threading.get_ident(), buffer.data_ptr(), buffer.numel()))
+
+            def _check_registered(self, buffers):
+                area = [(p, n) for t, p, n in store.registrations if t == threading.get_ident()][-1:]
+                if not area or not all(area[0][0] <= b.data_ptr() and b.data_ptr() + b.numel() <= sum(area[0]) for b in buffers):
+                    store.unregistered_calls += 1
 
             def lookup(self, keys):
                 self._fault()
@@ -43,6 +56,7 @@ class DictStore:
 
             def load(self, keys, buffers):
                 self._fault()
+                self._check_registered(buffers)
                 out = []
                 for k, b in zip(keys, buffers):
                     with store.lock:
@@ -56,6 +70,7 @@ class DictStore:
 
             def save(self, keys, values):
                 self._fault()
+                self._check_registered(values)
                 with store.lock:
                     for k, v in zip(keys, values):
                         store.values[k] = v.clone()
@@ -82,6 +97,14 @@ def _run(engine, rid, prompt, params=PARAMS):
 PROMPT = list(range(1, 43))  # 42 tokens: 10 full pages
 
 
+def _unshared(i: int) -> list[int]:
+    """A prompt of PROMPT's length that shares no page with PROMPT or with
+    _unshared(j), j != i: each request's lookup is its own (a shared prefix
+    would be found in the local prefix cache once the first request computed
+    it, so only that request would wait on the store)."""
+    return [(t + 5 * (i + 1)) % 96 + 1 for t in PROMPT] + [i + 2]
+
+
 def test_second_engine_loads_pages_instead_of_computing():
     store = DictStore()
     a, b = _engine(store), _engine(store)
@@ -97,6 +120,29 @@ def test_second_engine_loads_pages_instead_of_computing():
     third = _run(b, "c", PROMPT + [9])
     assert third.num_cached_tokens == 40 and third.num_external_cached_tokens == 0
     assert b.pages_held() == 0
+
+
+def test_staging_areas_are_registered_at_start_up_and_reused_in_chunks():
+    """Each worker thread (2 loading, 1 saving) registers its staging area
+    once, when the engine starts, before any request; every load and save
+    then lies in its thread's area, 10 pages going through 4-page areas in
+    chunks, and the pages loaded are right."""
+    store = DictStore()
+    a = _engine(store, staging_pages=4)
+    deadline = time.monotonic() + 10
+    while len(store.registrations) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(store.registrations) == 3 and len({t for t, _, _ in store.registrations}) == 3
+    assert store.calls == 1  # only the start-up probe has called the store
+    _run(a, "a", PROMPT + [5])  # 12 pages saved
+    b = _engine(store, staging_pages=4)
+    out = _run(b, "b", PROMPT + [7, 8])  # 10 pages loaded, in chunks of 4
+    assert out.num_external_cached_tokens == 40
+    assert out.outputs[0].token_ids == reference(PROMPT + [7, 8], 6, eos=False)
+    assert len(store.values) == 12 + 2 and len(store.registrations) == 6  # b saved its own 2 pages; its three areas, at its start
+    assert store.unregistered_calls == 0
+    for engine in (a, b):
+        engine.kv.connector.close(1.0)
 
 
 def test_corrupt_value_is_a_miss_and_output_stays_right():
@@ -122,11 +168,11 @@ def test_failing_store_never_holds_requests_beyond_the_deadline(mode):
     t0 = time.monotonic()
     outs = []
     for i in range(4):
-        b.add_request(f"r{i}", PROMPT + [i + 2], PARAMS)
+        b.add_request(f"r{i}", _unshared(i), PARAMS)
     done = run_all(b)
     took = time.monotonic() - t0
     for i in range(4):
-        assert done[f"r{i}"].outputs[0].token_ids == reference(PROMPT + [i + 2], 6, eos=False)
+        assert done[f"r{i}"].outputs[0].token_ids == reference(_unshared(i), 6, eos=False)
         assert done[f"r{i}"].num_external_cached_tokens == 0
         outs.append(done[f"r{i}"])
     assert took < 0.3 + 1.0, f"requests waited {took:.2f}s on a broken store"
@@ -134,7 +180,13 @@ def test_failing_store_never_holds_requests_beyond_the_deadline(mode):
     # a raising store is already found down by the start-up probe (unreachable: no lookup is tried)
     kinds = ("timeout",) if mode == "stall" else ("error", "unreachable")
     assert sum(s["kv_connector_failures"].get(k, 0) for k in kinds) >= 1, s["kv_connector_failures"]
-    assert s["kv_connector_breaker_state"] == "open" and not s["kv_connector_healthy"]
+    if mode == "stall":  # each admission waited on the store about the deadline, never much more
+        waits = s["kv_connector_wait_latency"]
+        assert waits["count"] == 4 and waits["cumulative"][waits["buckets"].index(1.0)] == 4, waits
+    # open, or half_open while a probe (a save after breaker_reset_s on a slow
+    # machine) waits on the stalled store; never closed: no call answers in time
+    assert s["kv_connector_breaker_opened"] >= 1 and not s["kv_connector_healthy"]
+    assert s["kv_connector_breaker_state"] in ("open", "half_open"), s["kv_connector_breaker_state"]
     # the store comes back: after breaker_reset_s a probe closes the circuit and hits resume
     store.mode = "ok"
     deadline = time.monotonic() + 10
@@ -145,6 +197,37 @@ def test_failing_store_never_holds_requests_beyond_the_deadline(mode):
     out = _run(b, "again", PROMPT + [30])
     assert out.num_external_cached_tokens == 40
     assert out.outputs[0].token_ids == reference(PROMPT + [30], 6, eos=False)
+
+
+def test_a_store_answering_after_the_deadline_keeps_the_circuit_open():
+    """Every call of a stalled store answers "ok", but after the deadline: the
+    start-up probe's late answer and each half-open probe's must not close
+    the circuit (the next requests would wait the deadline again)."""
+    store = DictStore()
+    store.mode, store.stall_s = "stall", 0.6
+    b = _engine(store, deadline_s=0.2, breaker_reset_s=0.1)
+    for i in range(2):
+        b.add_request(f"r{i}", _unshared(i), PARAMS)
+    done = run_all(b)
+    assert all(done[f"r{i}"].num_external_cached_tokens == 0 for i in range(2))
+    assert b.stats()["kv_connector_breaker_state"] != "closed"
+    # the start-up probe answers at 0.6 s, half-open probes every ~0.7 s after
+    states, calls = set(), store.calls
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:
+        states.add(b.stats()["kv_connector_breaker_state"])
+        time.sleep(0.02)
+    s = b.stats()
+    assert "closed" not in states, states
+    assert store.calls >= calls + 2 and s["kv_connector_failures"].get("unreachable", 0) >= 1, (store.calls, s)
+    assert "health probe" in s["kv_connector_health"], s["kv_connector_health"]
+    # in time again: the next probe closes it
+    store.mode = "ok"
+    deadline = time.monotonic() + 5
+    while b.stats()["kv_connector_breaker_state"] != "closed" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert b.stats()["kv_connector_healthy"]
+    b.kv.connector.close(1.0)
 
 
 def test_fail_policy_ends_the_request_with_an_error():

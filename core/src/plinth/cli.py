@@ -183,6 +183,14 @@ def _details(row: dict[str, Any]) -> str:
         for why in dict.fromkeys(limits.values()):  # ops that share a reason are listed together
             ops = ", ".join(op for op, w in limits.items() if w == why)
             text += f"; in {dtype}, {ops} from the reference: {why}"
+    declared: dict[str, list[str]] = {}  # one line per declaration, naming the dtypes that share it
+    for dtype, caps in (row.get("capabilities") or {}).items():
+        if caps.get("fp8"):
+            declared.setdefault(f"FP8 weights {caps['fp8']}: {caps['fp8_why']}", []).append(dtype)
+        if caps.get("gguf_formats"):
+            declared.setdefault(f"GGUF {','.join(caps['gguf_formats'])} kept in blocks: {caps['gguf_path']}", []).append(dtype)
+    for what, dtypes in declared.items():
+        text += f"; in {', '.join(dtypes)}, {what}"
     deterministic = row.get("deterministic")
     if deterministic is not None:  # what --deterministic takes from the reference on top of the above
         if not any(deterministic.values()):
@@ -210,6 +218,20 @@ def _unsupported_ops(registry: PluginRegistry, row: dict[str, Any], ctx: Any) ->
         det = impl.unsupported_ops(dataclasses.replace(ctx, dtype=dtype, deterministic=True))
         deterministic[name] = {op: why for op, why in det.items() if op not in limits}
     return out, deterministic
+
+
+def _capabilities(registry: PluginRegistry, row: dict[str, Any], ctx: Any) -> dict[str, dict[str, Any]]:
+    """dtype -> the backend's declared capabilities (those it declares), over
+    the accelerator's dtypes: what start-up hands the model loader there."""
+    import dataclasses
+
+    impl = registry.get("backend", row["name"]).load()
+    out = {}
+    for dtype in ctx.accelerator.supported_dtypes():
+        caps = impl.capabilities(dataclasses.replace(ctx, dtype=dtype))
+        if caps != type(caps)():
+            out[str(dtype).removeprefix("torch.")] = dataclasses.asdict(caps)
+    return out
 
 
 def _backend_context(registry: PluginRegistry, name: str) -> Any:
@@ -288,6 +310,11 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
                     row["unsupported_ops"], row["deterministic"] = _unsupported_ops(registry, row, backend_ctx)
                 except Exception as exc:
                     row["status"], row["reasons"] = "failed", [f"unsupported_ops() raised {type(exc).__name__}: {exc}"]
+                    continue
+                try:
+                    row["capabilities"] = _capabilities(registry, row, backend_ctx)
+                except Exception as exc:
+                    row["status"], row["reasons"] = "failed", [f"capabilities() raised {type(exc).__name__}: {exc}"]
     for row in rows:  # an available accelerator says what it found
         if row["category"] == "accelerator" and row["status"] == "ok":
             try:

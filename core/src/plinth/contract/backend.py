@@ -298,7 +298,9 @@ class QuantizedWeight:
 
 
 class Backend(PluginImpl):
-    """A table of compute ops. Instantiated once per process after selection."""
+    """A table of compute ops. Instantiated once per process after selection
+    (for ``ops()``); what it declares for a context (``check``,
+    ``unsupported_ops``, ``capabilities``) are classmethods."""
 
     def __init__(self, ctx: SelectionContext, reference: Mapping[str, Callable[..., Any]] | None = None) -> None:
         self.ctx = ctx
@@ -325,9 +327,13 @@ class Backend(PluginImpl):
         (the table is open)."""
         raise NotImplementedError
 
-    def capabilities(self) -> BackendCapabilities:
-        """What this backend's ops can do beyond their signatures (which
-        quantized formats ``pack_linear`` keeps), for ``self.ctx``."""
+    @classmethod
+    def capabilities(cls, ctx: SelectionContext) -> BackendCapabilities:
+        """What this backend's ops can do beyond their signatures (the FP8
+        path ``linear`` takes, which quantized formats ``pack_linear``
+        keeps) for ``ctx``: decided from the context alone, like
+        ``unsupported_ops``, so start-up and ``platform plugins`` read the
+        same answer without building any op."""
         return BackendCapabilities()
 
 

@@ -78,10 +78,11 @@ class KVConnector(PluginImpl):
     * ``save(keys, values) -> None``: store each value (uint8 CPU tensors,
       ``layout.value_bytes`` long) under its key; keys already stored may be
       skipped. Raise on failure.
-    * ``register_buffer(tensor)``: once per worker thread, the staging area
-      that thread's buffers and values are slices of, kept for its later
-      calls (register it with a transfer engine that needs registered
-      memory); again only with a bigger area, which replaces the old one.
+    * ``register_buffer(tensor)``: once per worker thread, at start-up (or at
+      that thread's first call when the store was down then), the staging
+      area that thread's buffers and values are slices of, kept for its
+      later calls (register it with a transfer engine that needs registered
+      memory); a later call with another area replaces the old one.
 
     Both sides: ``health() -> (ok, why)`` (called off the step loop, also as
     the circuit breaker's probe: it may try to reconnect), ``close()``.
@@ -126,8 +127,8 @@ class KVConnector(PluginImpl):
 
     def register_buffer(self, buffer: "torch.Tensor") -> None:
         """The CPU staging area the calls that follow on this thread use (each
-        load buffer and save value lies in it). Called once per worker thread
-        and kept: again only with a bigger area, which replaces the old one."""
+        load buffer and save value lies in it). Called once per worker
+        thread, at start-up, and kept; another area replaces the old one."""
 
     def health(self) -> tuple[bool, str]:
         """(reachable, why not). May block; the core calls it off the step loop."""

@@ -15,7 +15,7 @@ wait on them:
 * a circuit breaker opens after ``breaker_failures`` failures in a row: while
   open no store call is made (lookups miss, saves are skipped); after
   ``breaker_reset_s`` one call probes the store (``health()``), and success
-  closes it again.
+  within the deadline closes it again.
 
 Every stored value carries a header the core writes and checks: magic, the
 layout fingerprint, a digest of its key, the payload length and a blake2b
@@ -51,6 +51,8 @@ HEADER_BYTES = _HEADER.size  # 64
 
 POLICIES = ("recompute", "fail")
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
+#: worker threads: lookups+loads, and saves (each with its own staging area)
+LOOKUP_THREADS, SAVE_THREADS = 2, 1
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -217,8 +219,10 @@ class KVTransfer:
         # names of this transfer's own: close() joins its threads by them
         n = next(_instances)
         self._thread_prefixes = (f"plinth-kv-load-{n}_", f"plinth-kv-save-{n}_")
-        self._lookups = ThreadPoolExecutor(2, thread_name_prefix=self._thread_prefixes[0][:-1])
-        self._saves = ThreadPoolExecutor(1, thread_name_prefix=self._thread_prefixes[1][:-1])
+        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix=self._thread_prefixes[0][:-1])
+        self._saves = ThreadPoolExecutor(SAVE_THREADS, thread_name_prefix=self._thread_prefixes[1][:-1])
+        #: pages a staging area holds: a call with more pages runs in chunks of this many
+        self.staging_pages = max(1, int(opts.get("staging_pages", 32)))
         self._fetches: dict[int, _Fetch] = {}
         self._pending_saves: list[Future] = []
         self._save_batch: list[tuple[int, int]] = []  # (page, hash) to save after this step
@@ -230,6 +234,7 @@ class KVTransfer:
         #: each worker thread's staging area, registered with the connector once and reused
         self._arenas = threading.local()
         self._probe: Future | None = None
+        self._prepare_workers()
         # metrics
         self.counters: dict[str, int] = {
             "lookups": 0, "lookup_pages": 0, "hit_pages": 0, "loaded_pages": 0, "loaded_bytes": 0,
@@ -238,6 +243,9 @@ class KVTransfer:
         self.failures: dict[str, int] = {}
         self.load_latency = Histogram()
         self.save_latency = Histogram()
+        #: how long each request's admission waited on the store (answered, failed or timed out):
+        #: the rule "a dead store costs at most the deadline", measured where it holds
+        self.wait_latency = Histogram()
         self._health_reason = ""
         # probe the store at once (a store down at start-up shows as degraded
         # health, not as a healthy server whose first requests time out), and
@@ -247,6 +255,26 @@ class KVTransfer:
         self._probe = self._lookups.submit(self._run_probe, True)
         self._watcher = threading.Thread(target=self._watch, name="plinth-kv-watch", daemon=True)
         self._watcher.start()
+
+    def _prepare_workers(self) -> None:
+        """Start every worker thread now and have each register its staging
+        area (an RDMA memory registration for Mooncake), so that loads and
+        saves only reuse them. A barrier per pool makes each job land on its
+        own thread; the step loop does not wait for them."""
+        for pool, n in ((self._lookups, LOOKUP_THREADS), (self._saves, SAVE_THREADS)):
+            barrier = threading.Barrier(n)
+            for _ in range(n):
+                pool.submit(self._prepare_thread, barrier)
+
+    def _prepare_thread(self, barrier: threading.Barrier) -> None:
+        try:
+            barrier.wait(timeout=5.0)
+        except threading.BrokenBarrierError:  # a thread slow to start: it registers on its own job
+            pass
+        try:
+            self._staging_area()
+        except Exception as exc:  # a store down at start-up: this thread registers at its first call
+            log.info("KV connector: staging area not registered at start-up (%s: %s)", type(exc).__name__, exc)
 
     def _watch(self) -> None:
         period = max(0.05, min(self.breaker.reset_s, 5.0))
@@ -287,9 +315,11 @@ class KVTransfer:
             if now < job.deadline:
                 return None
             del self._fetches[seq.seq_id]
+            self.wait_latency.observe(now - job.started)
             self._fail("timeout")
             return self._degraded(seq, "the store did not answer within the deadline", None)
         del self._fetches[seq.seq_id]
+        self.wait_latency.observe(now - job.started)
         try:
             res: FetchResult = job.future.result()
         except Exception as exc:
@@ -325,33 +355,32 @@ class KVTransfer:
         stored = max(0, min(stored, len(keys)))
         if stored == 0:
             return FetchResult([], 0)
-        staging = self._staging(stored)
-        buffers = [staging[i] for i in range(stored)]
-        sizes = list(self.connector.load(keys[:stored], buffers))
+        staging = self._staging_area()
         payloads: list[torch.Tensor] = []
-        failure = ""
-        for i in range(stored):
-            payload, kind = check_value(self.layout, keys[i], buffers[i], int(sizes[i]) if i < len(sizes) else 0)
-            if payload is None:
-                failure = kind
-                break
-            payloads.append(payload.clone())  # the staging area is this thread's next call's too
-        return FetchResult(payloads, stored, failure)
+        for start in range(0, stored, len(staging)):  # in chunks the staging area holds
+            part = keys[start : min(stored, start + len(staging))]
+            buffers = [staging[i] for i in range(len(part))]
+            sizes = list(self.connector.load(part, buffers))
+            for i, key in enumerate(part):
+                payload, kind = check_value(self.layout, key, buffers[i], int(sizes[i]) if i < len(sizes) else 0)
+                if payload is None:
+                    return FetchResult(payloads, stored, kind)
+                payloads.append(payload.clone())  # the staging area is this thread's next chunk's too
+        return FetchResult(payloads, stored)
 
-    def _staging(self, pages: int) -> torch.Tensor:
-        """``pages`` value-sized rows of this worker thread's staging area:
-        registered with the connector (an RDMA registration for Mooncake)
-        once and reused by every later call, grown (and registered again)
-        only when a call needs more pages than any before it."""
+    def _staging_area(self) -> torch.Tensor:
+        """This worker thread's staging area (``staging_pages`` value-sized
+        rows), registered with the connector once, at start-up
+        (``_prepare_workers``), and reused by every call on this thread; a
+        registration that failed (the store was down) is retried here."""
         arena = getattr(self._arenas, "buffer", None)
-        if arena is None or arena.shape[0] < pages:
-            size = max(pages, 2 * arena.shape[0] if arena is not None else 32)
-            arena = torch.empty(size, self.layout.value_bytes, dtype=torch.uint8)
+        if arena is None:
+            arena = torch.empty(self.staging_pages, self.layout.value_bytes, dtype=torch.uint8)
             self._arenas.buffer, self._arenas.registered = arena, False
-        if not self._arenas.registered:  # retried on the next call when the store was down
+        if not self._arenas.registered:
             self.connector.register_buffer(arena)
             self._arenas.registered = True
-        return arena[:pages]
+        return arena
 
     def write_pages(self, pages: Sequence[int], payloads: Sequence[torch.Tensor]) -> None:
         """Fill freshly allocated pages with fetched payloads (on the loop)."""
@@ -429,7 +458,7 @@ class KVTransfer:
     def _save(self, hashes: list[int], data: torch.Tensor) -> None:
         t0 = time.monotonic()
         try:
-            staging = self._staging(len(hashes))
+            staging = self._staging_area()
             keys = [make_key(self.layout, h) for h in hashes]
             if self._events is not None:
                 with self._lock:
@@ -438,9 +467,11 @@ class KVTransfer:
                         self._key_hash.move_to_end(key)
                     while len(self._key_hash) > self._known_cap:
                         self._key_hash.popitem(last=False)
-            for i, key in enumerate(keys):
-                encode_value(self.layout, key, data[i], staging[i])
-            self.connector.save(keys, [staging[i] for i in range(len(keys))])
+            for start in range(0, len(keys), len(staging)):  # in chunks the staging area holds
+                part = keys[start : start + len(staging)]
+                for i, key in enumerate(part):
+                    encode_value(self.layout, key, data[start + i], staging[i])
+                self.connector.save(part, [staging[i] for i in range(len(part))])
         except Exception as exc:
             with self._lock:
                 for h in hashes:
@@ -499,10 +530,20 @@ class KVTransfer:
             self._probe = self._lookups.submit(self._run_probe)
 
     def _run_probe(self, startup: bool = False) -> None:
+        t0 = time.monotonic()
         try:
             ok, why = self.connector.health()
         except Exception as exc:
             ok, why = False, f"{type(exc).__name__}: {exc}"
+        took = time.monotonic() - t0
+        if ok and took > self.deadline_s:
+            # a store that answers only after the deadline fails every lookup
+            # too: its late "ok" must not close the circuit (requests would
+            # wait the deadline again, then reopen it)
+            if startup:  # not found down at start-up either: the breaker stays as requests left it
+                log.warning("KV connector: the store took %.1fs to answer the start-up probe (deadline %.1fs)", took, self.deadline_s)
+                return
+            ok, why = False, f"the store took {took:.1f}s to answer a health probe (deadline {self.deadline_s:.1f}s)"
         if ok:
             self.breaker.success()
         else:
@@ -534,6 +575,7 @@ class KVTransfer:
                 "kv_connector_health": why,
                 "kv_connector_load_latency": self.load_latency.snapshot(),
                 "kv_connector_save_latency": self.save_latency.snapshot(),
+                "kv_connector_wait_latency": self.wait_latency.snapshot(),
             }
 
     def close(self, timeout: float | None = None) -> bool:
@@ -568,7 +610,7 @@ class KVTransfer:
 #: kv_connector_config keys the core reads (the rest go to the plugin)
 CORE_OPTIONS = (
     "failure_policy", "kv_role", "deadline_s", "breaker_failures", "breaker_reset_s", "max_pending_saves",
-    "max_pending_lookups",
+    "max_pending_lookups", "staging_pages",
 )
 
 

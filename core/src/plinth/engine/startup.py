@@ -128,7 +128,7 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
     missing = [op for op in OP_NAMES if op not in table and op not in FUSED_OPS]
     if missing:
         log.info("ops with no implementation (models needing them will fail to load): %s", ", ".join(missing))
-    return OpTable(table, backend.capabilities()), sources
+    return OpTable(table, backend_cls.capabilities(ctx)), sources
 
 
 def _check_op_signatures(entry: PluginEntry, ops: dict[str, Any]) -> None:

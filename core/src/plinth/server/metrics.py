@@ -166,15 +166,16 @@ class _EngineCollector(Collector):
         yield state
         yield counter("plinth:kv_connector_breaker_opened", "Times the circuit opened.", s.get("kv_connector_breaker_opened", 0))
         yield gauge("plinth:kv_connector_healthy", "1 when the store answers and the circuit is closed.", 1.0 if s.get("kv_connector_healthy") else 0.0)
-        for kind in ("load", "save"):
+        docs = {
+            "load": "Store lookup+load time per fetch.",
+            "save": "Store save time per save job.",
+            "wait": "Time a request's admission waited on the store (answered, failed or past the deadline).",
+        }
+        for kind, doc in docs.items():
             snap = s.get(f"kv_connector_{kind}_latency")
             if not snap:
                 continue
-            h = HistogramMetricFamily(
-                f"plinth:kv_connector_{kind}_latency_seconds",
-                "Store lookup+load time per fetch." if kind == "load" else "Store save time per save job.",
-                labels=labels,
-            )
+            h = HistogramMetricFamily(f"plinth:kv_connector_{kind}_latency_seconds", doc, labels=labels)
             buckets = [(repr(float(b)), float(c)) for b, c in zip(snap["buckets"], snap["cumulative"])]
             buckets.append(("+Inf", float(snap["cumulative"][-1])))
             h.add_metric(value, buckets, float(snap["sum"]))

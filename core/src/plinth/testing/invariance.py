@@ -90,13 +90,15 @@ class InvarianceCase:
 def _ways(length: int) -> dict[str, list[list[int]]]:
     """way -> steps, each step the sequence's chunk sizes (one chunk per step)."""
     third = length // 3
+    mid = min(32, length - 6)  # a 32-token chunk where the sequence is long enough
+    lead = min(30, length // 2)  # decoded tokens before the verification steps
     return {
         "decode": [[1]] * length,
         "prefill": [[length]],
         f"chunks {third}+{length - third}": [[third], [length - third]],
-        "chunks 5+32+rest": [[5], [32], [length - 37]],
+        f"chunks 5+{mid}+rest": [[5], [mid], [length - 5 - mid]],
         "chunks 17 then decode": [[17]] + [[1]] * (length - 17),
-        "verify k=4": [[1]] * 30 + [[5]] * ((length - 30) // 5) + [[1]] * ((length - 30) % 5),
+        "verify k=4": [[1]] * lead + [[5]] * ((length - lead) // 5) + [[1]] * ((length - lead) % 5),
     }
 
 

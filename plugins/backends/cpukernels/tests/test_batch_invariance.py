@@ -3,7 +3,8 @@ row-wise op of the cpukernels op table (as start-up merges it with the
 reference's) gives each row bit for bit the same result alone and among
 1-64 other rows, at any position (``plinth.testing.invariance``): dense
 weights in bfloat16 and float32, the GGUF formats kept in their blocks with
-bfloat16 and float32 activations, rms_norm (with and without the fused
+bfloat16 and float32 activations (through their dense copies or the
+integer kernel), rms_norm (with and without the fused
 residual), silu_and_mul and rotary."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from plinth.testing import op_table
 from plinth.testing.invariance import batch_invariance_problems
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend, accelerator_isa, bf16_gemm_missing
 from plinth_plugin_cpukernels.gemm import ALL_ROWS, linear_kernel_path, load_linear_kernels
+from plinth_plugin_cpukernels.quant import DETERMINISTIC_PATH_ENV
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_quant import random_blocks  # noqa: E402
@@ -72,7 +74,11 @@ def test_streaming_kernel_on_every_code_path(isa, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-def test_gguf_linear(dtype, type_name):
+@pytest.mark.parametrize("path", ["dense", "integer"])
+def test_gguf_linear(dtype, type_name, path, monkeypatch):
+    """Both paths of deterministic mode: the weight's dense copy for every
+    batch (the default), or the integer kernel for every batch."""
+    monkeypatch.setenv(DETERMINISTIC_PATH_ENV, path)
     ops = _ops(dtype)
     k = 512 if type_name.endswith("_K") else 576
     blocks, _ = random_blocks(type_name, 96, k)
@@ -81,6 +87,7 @@ def test_gguf_linear(dtype, type_name):
         QuantizedWeight(format=f"gguf_{type_name.lower()}", qweight=blocks, scale=torch.empty(0), shape=(96, k), block_size=(1, block))
     )
     assert type(weight).__name__ == "GGUFLinear"  # kept in its blocks
+    assert (weight.dense is None) == (path == "integer")
     torch.manual_seed(1)
     x = torch.randn(POOL, k).to(dtype)
     _assert_invariant(lambda x: ops.linear(x, weight), x)

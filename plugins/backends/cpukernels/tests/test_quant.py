@@ -180,7 +180,7 @@ def test_the_backend_keeps_gguf_weights_in_blocks():
     reference = TorchBackend(SelectionContext(accelerator=accelerator, dtype=torch.float32)).ops()
     backend = CPUKernelsBackend(ctx, reference)
     ops = backend.ops()
-    formats, path = backend.capabilities().gguf_formats, backend.capabilities().gguf_path
+    formats, path = CPUKernelsBackend.capabilities(ctx).gguf_formats, CPUKernelsBackend.capabilities(ctx).gguf_path
     assert "gguf_formats" not in ops
     assert set(formats) >= {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     assert gguf_kernel_path(accelerator.info().isa) in path
@@ -191,6 +191,25 @@ def test_the_backend_keeps_gguf_weights_in_blocks():
     torch.testing.assert_close(ops["linear"](x, packed), x @ dense.t(), rtol=0, atol=2e-2 * (x @ dense.t()).abs().max().item())
     plain = ops["pack_linear"](dense)
     torch.testing.assert_close(ops["linear"](x, plain), x @ dense.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_platform_plugins_shows_the_gguf_formats_and_path(capsys):
+    """What start-up hands the GGUF loader, as `platform plugins` shows it for this CPU."""
+    import json
+
+    from plinth.api import load_accelerator
+    from plinth.cli import main
+
+    assert main(["plugins", "--json", "--device", "cpu"]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out)["plugins"] if r["name"] == "cpukernels")
+    path = gguf_kernel_path(load_accelerator("cpu").info().isa)
+    assert row["status"] == "ok" and row["capabilities"], row
+    for caps in row["capabilities"].values():
+        assert set(caps["gguf_formats"]) >= {"Q4_0", "Q8_0", "Q4_K", "Q6_K"} and path in caps["gguf_path"]
+        assert caps["fp8"] == ""
+    assert main(["plugins", "--device", "cpu"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("backend") and " cpukernels " in ln)
+    assert "kept in blocks: integer dot products on the blocks, " + path in line, line
 
 
 def test_large_batches_use_the_dense_copy_and_small_ones_the_blocks(monkeypatch):

@@ -6,9 +6,11 @@
   master comes up and both attach by themselves (no request needed);
 * instance A's pages are loaded by instance B (external cached tokens);
 * the master is SIGKILLed during a concurrent stream of requests: every one
-  completes with the output of a server without a store, none later than the
-  deadline plus the slowest request of the same stream just before, the store
-  up (plus 1 s of scheduling slack);
+  completes with the output of a server without a store; the server's own
+  histogram says no admission waited on the store beyond the deadline plus a
+  step (2.5 s), and no request hangs (wall clock: twice the slowest request
+  of the same stream just before, the store up, plus the deadline and 5 s:
+  this machine's load alone moves those times 3x);
 * the master restarts (empty): the servers recover and hits resume.
 """
 
@@ -111,13 +113,25 @@ def test_store_down_at_start_killed_mid_stream_and_restarted(tiny_root, master_d
         results = _stream(b.url, stream)
         killer.join()
         assert m.proc.poll() is not None
+        # measured in the server first (independent of how loaded this machine is): no
+        # admission waited on the store beyond the deadline plus a step (the 2.5 s bucket)
+        mb = b.metrics()
+        waits = metric(mb, "plinth:kv_connector_wait_latency_seconds_count")
+        late = waits - metric(mb, "plinth:kv_connector_wait_latency_seconds_bucket", le="2.5")
+        assert waits >= len(stream) and late == 0, f"{late:.0f} of {waits:.0f} admissions waited > 2.5 s on the store"
+        # and no hang end to end. Wall-clock times on a shared 2-core machine move with its load, not
+        # with the store: two loaded runs (load average ~20) had the stream before the kill at 1.37 s and
+        # the one after at 3.8-4.8 s; then 6.6 s and 3.0-9.5 s, while the server's histogram had no
+        # admission waiting > 2.5 s and its log no deadline timeout. So the bound is twice the stream
+        # before plus the deadline plus 5 s, not normal + deadline + 1 s.
+        bound = 2 * normal + DEADLINE + 5.0
         for p, (text, _cached, took) in zip(stream, results):
             assert text == want[json.dumps(p)]
-            assert took < normal + DEADLINE + 1.0, f"took {[round(r[2], 2) for r in results]}s (the same stream, store up: {normal:.2f}s)"
+            assert took < bound, f"took {[round(r[2], 2) for r in results]}s (the same stream, store up: {normal:.2f}s)"
         # later requests, on both servers, still complete promptly
         for s, p in ((a, first[3]), (b, first[3])):
             text, _, took = _complete(s.url, p)
-            assert text == want[json.dumps(p)] and took < normal + DEADLINE + 1.0
+            assert text == want[json.dumps(p)] and took < bound, f"{took:.2f}s (the same stream, store up: {normal:.2f}s)"
         mb = b.metrics()
         assert sum(v for k, v in mb.items() if k.startswith("plinth:kv_connector_failures_total")) >= 1
         _wait(lambda: b.health()["status"] == "degraded", 15, "B degraded")

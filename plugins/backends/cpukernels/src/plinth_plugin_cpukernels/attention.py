@@ -51,8 +51,6 @@ def kernel_takes(dtype: Any, head_dim: int, v_head_dim: int, page_dtype: Any) ->
 
 
 def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]], *, deterministic: bool = False) -> dict[str, Callable[..., Any]]:
-    import torch
-
     kernel = kernels.paged_attention
     ref_attention = reference["attention"]
     ref_allocate = reference["allocate_kv_cache"]

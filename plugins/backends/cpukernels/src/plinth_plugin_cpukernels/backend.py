@@ -78,9 +78,10 @@ class CPUKernelsBackend(Backend):
         why = bf16_gemm_missing(isa)
         return {"pack_linear": why, "linear": why} if why else {}
 
-    def capabilities(self) -> BackendCapabilities:
-        isa = accelerator_isa(self.ctx)
-        if isa is None or "linear" in self.unsupported_ops(self.ctx):
+    @classmethod
+    def capabilities(cls, ctx: SelectionContext) -> BackendCapabilities:
+        isa = accelerator_isa(ctx)
+        if isa is None or "linear" in cls.unsupported_ops(ctx):
             return BackendCapabilities()
         return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=f"integer dot products on the blocks, {gguf_kernel_path(isa)}")
 
@@ -118,6 +119,8 @@ class CPUKernelsBackend(Backend):
                 return packed if type(packed) is PackedLinear else None
 
             gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype, invariant=invariant)
+            # deterministic mode: a GGUF weight with a dense copy streams it for every batch (quant.py)
+            dense_rows = 0 if invariant else GEMM_MIN_ROWS
 
             def pack(weight: Any) -> Any:
                 if isinstance(weight, QuantizedWeight) and format_name(weight.format):
@@ -127,7 +130,7 @@ class CPUKernelsBackend(Backend):
 
             def linear(x: Any, weight: Any, bias: Any = None) -> Any:
                 if type(weight) is GGUFLinear:
-                    if weight.dense is not None and x.numel() >= GEMM_MIN_ROWS * weight.in_features:
+                    if weight.dense is not None and x.numel() >= dense_rows * weight.in_features:
                         return dense_linear(x, weight.dense, bias)
                     return gguf.linear(x, weight, bias)
                 return dense_linear(x, weight, bias)

@@ -21,6 +21,7 @@ torch is imported inside functions.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -159,6 +160,9 @@ def _available_memory() -> int:
 #: the share of the memory available at the first GGUF weight that dense
 #: copies for large batches may take
 DENSE_COPY_SHARE = 0.25
+#: deterministic mode's path for GGUF weights: "dense" (the default: their
+#: dense copies where they fit) or "integer" (GGUFOps)
+DETERMINISTIC_PATH_ENV = "PLINTH_CPU_DETERMINISTIC_GGUF"
 
 
 class GGUFOps:
@@ -171,16 +175,30 @@ class GGUFOps:
     a dequantized copy in oneDNN's packed layout (``dense_pack``) that the
     backend's linear takes for batches of ``GEMM_MIN_ROWS`` rows and more
     (prefill, concurrent decode); decode batches still read only the blocks.
-    Beyond that budget, the tiles."""
+    Beyond that budget, the tiles.
+
+    Deterministic mode (``invariant``): the integer kernel and the dense copy
+    round differently, so each weight keeps one path for every batch: its
+    dense copy (the streaming kernel, batch-invariant, gemm.py) while copies
+    fit the budget, else the integer kernel, each row summed in one order
+    whatever M. Measured (bench/batch_invariant.py, SmolLM2-135M's step of
+    121 linears, Q4_1 + Q8_0 head, bf16, one thread, loaded 2-core AMD EPYC
+    Zen 4): the dense copy costs 2.2x the default at 1 row (it reads 16 bits
+    a weight, not 4.5) and 1.1x / 1.0x at 16 / 64 rows; the integer kernel
+    1.09x at 1 row but 2.0x / 2.8x at 16 / 64 (about 56 GFLOP/s where bf16
+    streams at ~190). ``PLINTH_CPU_DETERMINISTIC_GGUF=integer`` takes the
+    integer kernel for every weight (small batches, little memory)."""
 
     def __init__(
         self, isa: Iterable[str], bf16_gemm: bool, *, dense_pack: Callable[[Any], Any] | None = None, dense_dtype: Any = None, invariant: bool = False
     ) -> None:
         self.isa = tuple(isa)
         self.bf16_gemm = bf16_gemm
-        #: deterministic mode: the integer kernel, batch-invariant, for every batch (no dense copies)
+        #: deterministic mode: each weight takes one path for every batch (see the class doc)
         self.invariant = invariant
-        self.dense_pack, self.dense_dtype = (None, None) if invariant else (dense_pack, dense_dtype)
+        if invariant and os.environ.get(DETERMINISTIC_PATH_ENV, "dense") == "integer":
+            dense_pack = dense_dtype = None
+        self.dense_pack, self.dense_dtype = dense_pack, dense_dtype
         self.dense_budget: int | None = None
         self._kernels: Any = None
         self._linear: Callable[..., Any] | None = None

@@ -28,12 +28,12 @@ class TorchBackend(Backend):
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         from plinth_plugin_torch import attention, ops
 
-        # deterministic mode: every op batch-invariant (the rest already are per row)
-        deterministic = rowwise = self.ctx.deterministic
+        # deterministic mode: every op batch-invariant (the others already are, row by row)
+        deterministic = self.ctx.deterministic
         return {
-            "rms_norm": ops.rms_norm_rowwise if rowwise else ops.rms_norm,
+            "rms_norm": ops.rms_norm_rowwise if deterministic else ops.rms_norm,
             "pack_linear": ops.pack_linear,
-            "linear": ops.linear_rowwise if rowwise else ops.linear,
+            "linear": ops.linear_rowwise if deterministic else ops.linear,
             "silu_and_mul": ops.silu_and_mul,
             "rotary": ops.rotary,
             "allocate_kv_cache": attention.allocate_kv_cache,
@@ -41,5 +41,5 @@ class TorchBackend(Backend):
             "prepare_attention": attention.prepare_deterministic_attention if deterministic else attention.prepare_attention,
             "attention": attention.deterministic_attention if deterministic else attention.attention,
             "copy_pages": ops.copy_pages,
-            "fused_moe": ops.fused_moe_rowwise if rowwise else ops.fused_moe,
+            "fused_moe": ops.fused_moe_rowwise if deterministic else ops.fused_moe,
         }

@@ -147,6 +147,7 @@ class TritonBackend(Backend):
         )
         return ops
 
-    def capabilities(self) -> BackendCapabilities:
-        path, why = fp8_path(self.ctx)
+    @classmethod
+    def capabilities(cls, ctx: SelectionContext) -> BackendCapabilities:
+        path, why = fp8_path(ctx)
         return BackendCapabilities(fp8=path, fp8_why=why)

@@ -226,7 +226,7 @@ class MooncakeConnector(KVConnector):
             n += 1
         return n
 
-    # ---- zero copy: each core worker thread's staging area, registered once and kept ----
+    # ---- zero copy: each core worker thread's staging area, registered at start-up and kept ----
 
     def register_buffer(self, buffer: Any) -> None:
         if not self.zero_copy:
@@ -239,9 +239,8 @@ class MooncakeConnector(KVConnector):
                 log.warning("mooncake: unregister_buffer returned %d", rc)
         addr, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
         rc = store.register_buffer(addr, size)
-        if rc != 0:
-            log.warning("mooncake: register_buffer returned %d; this thread copies through bytes", rc)
-            return
+        if rc != 0:  # -600 with the master dead: the core registers again at this thread's next call
+            raise ConnectionError(f"mooncake: register_buffer returned {rc}")
         self._regions[threading.get_ident()] = (addr, size)
         self.registrations += 1
 
