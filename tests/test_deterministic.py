@@ -1,0 +1,213 @@
+"""Deterministic serving end to end (``LLM(deterministic=True)``, issue 24):
+a prompt's greedy tokens, and its logits bit for bit (``torch.equal``), do
+not depend on what runs beside it, on a prefix-cache hit, on the page size,
+on how its prefill is chunked (the step token budget) or on speculative
+decoding (ngram and a draft model).
+
+On the default path users get (SmolLM2-135M GGUF, bfloat16, the default
+backend) and on a bfloat16 Hugging Face folder of SmolLM2's shape (random
+weights: 576 hidden, 9 query / 3 KV heads, 1536 intermediate), the latter
+also on the torch reference backend alone. Each model's
+reference is each target prompt generated alone, on a fresh engine with
+pages of 16 and a 256-token step budget."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import random
+from typing import Any
+
+import pytest
+import torch
+from plinth.engine.llm import LLM
+from plinth.engine.sampling_params import SamplingParams
+from server_fixtures import smollm2_missing
+from tiny_models import VOCAB, write_tokenizer
+
+#: greedy tokens each target generates (EOS ignored: every run the same length)
+NEW_TOKENS = 16
+BASE = dict(load_progress=False, dtype="bfloat16", max_model_len=1024, kv_cache_memory=0.5, max_num_seqs=32)
+
+
+class LogitsRecorder:
+    """Wraps the engine's model runner: every logits row it returns for a
+    target prompt, by (prompt, position of the token it follows). A
+    position computed again (after a preemption, or a rejected proposal)
+    keeps its last computation, the one with the sequence's real tokens."""
+
+    def __init__(self, llm: LLM, targets: list[list[int]]) -> None:
+        self.targets = {tuple(t) for t in targets}
+        self.rows: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+        runner: Any = llm.engine.runner  # type: ignore[attr-defined]
+        execute = runner.execute
+
+        def recording(batch: Any, rows: Any) -> torch.Tensor:
+            logits = execute(batch, rows)
+            starts = [0]
+            for n in batch.num_tokens:
+                starts.append(starts[-1] + n)
+            for j, flat in enumerate(rows):
+                i = bisect.bisect_right(starts, flat) - 1
+                seq = batch.seqs[i]
+                prompt = tuple(seq.request.prompt_token_ids)
+                if prompt in self.targets:
+                    self.rows[(prompt, seq.num_computed + flat - starts[i])] = logits[j].clone()
+            return logits
+
+        runner.execute = recording
+
+    def decode_rows(self, prompt: list[int]) -> list[torch.Tensor]:
+        """The logits rows that chose each of the NEW_TOKENS tokens."""
+        return [self.rows[(tuple(prompt), len(prompt) - 1 + k)] for k in range(NEW_TOKENS)]
+
+
+def run(llm: LLM, targets: list[list[int]], others: list[tuple[list[int], int]] = ()) -> tuple[list[list[int]], LogitsRecorder]:
+    """The targets' greedy tokens, submitted at once with ``others`` (prompt,
+    max tokens) interleaved among them, and their logits."""
+    rec = LogitsRecorder(llm, targets)
+    prompts: list[list[int]] = []
+    params: list[SamplingParams] = []
+    where: list[int] = []
+    work = [(p, NEW_TOKENS, True) for p in targets] + [(p, n, False) for p, n in others]
+    random.Random(len(work)).shuffle(work)
+    for p, n, is_target in work:
+        if is_target:
+            where.append(len(prompts))
+        prompts.append(p)
+        params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(prompts, params)
+    by_prompt = {tuple(prompts[i]): list(outs[i].outputs[0].token_ids) for i in where}
+    return [by_prompt[tuple(t)] for t in targets], rec
+
+
+def assert_same(ref: tuple[list[list[int]], LogitsRecorder], got: tuple[list[list[int]], LogitsRecorder], targets: list[list[int]], what: str) -> None:
+    (want_tokens, want), (tokens, rec) = ref, got
+    for t, (a, b) in enumerate(zip(want_tokens, tokens)):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert first is None, f"{what}: target {t} (prompt of {len(targets[t])} tokens) diverges at token {first}: {a[first:first + 4]} vs {b[first:first + 4]}"
+    for t, prompt in enumerate(targets):
+        for k, (x, y) in enumerate(zip(want.decode_rows(prompt), rec.decode_rows(prompt))):
+            assert torch.equal(x, y), f"{what}: target {t}, logits of new token {k} differ (max |diff| {float((x - y).abs().max())})"
+
+
+def workload(vocab: int, low: int) -> tuple[list[list[int]], list[tuple[list[int], int]]]:
+    """Three targets (a short, a page-crossing and a longer prompt) and 16 short others of mixed lengths."""
+    rng = random.Random(24)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(low, vocab) for _ in range(n)]
+
+    phrase = prompt(20)  # the long target repeats itself: ngram speculation finds something to propose
+    targets = [prompt(9), prompt(40), phrase * 4]
+    others = [(prompt(rng.randint(4, 48)), rng.randint(4, 12)) for _ in range(16)]
+    return targets, others
+
+
+# ---- the models ----------------------------------------------------------------------------
+
+
+def smol_shaped_bf16_folder(root: str) -> str:
+    """A bfloat16 HF folder with SmolLM2-135M's layer shapes (4 layers, random
+    weights) and the tiny test tokenizer."""
+    import transformers
+
+    path = os.path.join(root, "smol-shaped-bf16")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        eos_token_id=263, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(24)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.06)
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    return path
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("smollm2-gguf", marks=pytest.mark.slow),
+        "bf16-folder",
+        "bf16-folder-torch",  # the reference backend: the engine's side (sampler, scheduler, verification) on its own
+    ],
+)
+def model(request, tiny_root) -> dict[str, Any]:
+    """The model, its targets and others, the draft model, and the reference
+    (each target alone, on a fresh engine)."""
+    if request.param == "smollm2-gguf":
+        why = smollm2_missing()
+        if why:
+            pytest.skip(why)
+        path, vocab, low = None, 49152, 200
+    else:
+        path, vocab, low = smol_shaped_bf16_folder(tiny_root), VOCAB, 0
+    engine = dict(BASE, backend="torch" if request.param.endswith("-torch") else "auto")
+    targets, others = workload(vocab, low)
+    llm = LLM(path, deterministic=True, page_size=16, max_num_batched_tokens=256, enable_prefix_caching=False, **engine)
+    assert llm.engine.describe()["deterministic"] is True
+    alone = [run(llm, [t]) for t in targets]
+    rec = alone[0][1]
+    for _, r in alone[1:]:
+        rec.rows.update(r.rows)
+    reference = ([tokens[0] for tokens, _ in alone], rec)
+    if request.param == "smollm2-gguf":
+        from test_speculative_smollm2 import tiny_draft_for
+
+        draft = tiny_draft_for(llm.engine.components.source.path, vocab, os.path.join(tiny_root, "smollm2-draft"))  # type: ignore[attr-defined]
+    else:
+        from tiny_models import tiny_model_dir
+
+        draft = tiny_model_dir("llama", tiny_root)
+    yield dict(
+        name=request.param, path=path, targets=targets, others=others, reference=reference, llm=llm, draft=draft, engine=engine
+    )
+    llm.close()
+
+
+# ---- the guarantees ------------------------------------------------------------------------
+
+
+def test_alone_equals_among_16_concurrent_others(model):
+    got = run(model["llm"], model["targets"], model["others"])
+    assert_same(model["reference"], got, model["targets"], f"{model['name']}: among 16 others")
+
+
+def test_pages_of_7_chunked_prefill_and_a_prefix_cache_hit_change_nothing(model):
+    """Pages of 7 and a 32-token step budget (the long prompts prefilled in
+    chunks beside running decodes), cold; then the same again, each target's
+    prompt pages now in the prefix cache."""
+    with LLM(model["path"], deterministic=True, page_size=7, max_num_batched_tokens=32, **model["engine"]) as llm:
+        cold = run(llm, model["targets"], model["others"])
+        assert_same(model["reference"], cold, model["targets"], f"{model['name']}: pages of 7, 32-token steps")
+        before = llm.engine.stats()["prefix_cache_local_hit_tokens"]
+        warm = run(llm, model["targets"])
+        assert llm.engine.stats()["prefix_cache_local_hit_tokens"] - before >= 35 + 77  # full pages of the two longer prompts
+        assert_same(model["reference"], warm, model["targets"], f"{model['name']}: prefix-cache hit")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_equals_plain_decoding(model, method):
+    # ngram: a one-token match is enough, so proposals come from any model's output (the test's
+    # random-weight folder repeats no phrase of its own)
+    extra = {"speculative_model": model["draft"]} if method == "draft" else {"plugin_options": {"ngram_min_n": 1}}
+    with LLM(
+        model["path"], deterministic=True, page_size=16, max_num_batched_tokens=256, speculative_method=method,
+        num_speculative_tokens=4, **extra, **model["engine"],
+    ) as llm:  # fmt: skip
+        llm.engine.spec.cost_model = None  # type: ignore[attr-defined]  # every proposal scored, whatever this machine's timing
+        got = run(llm, model["targets"], model["others"])
+        stats = llm.engine.stats()
+    assert_same(model["reference"], got, model["targets"], f"{model['name']}: {method} speculation")
+    # verification ran (every position's logits from a several-token forward), whether or not a proposal passed
+    assert stats["spec_proposed_tokens"] > 0
