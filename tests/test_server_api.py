@@ -267,9 +267,16 @@ def test_structural_tag_legacy(oai, srv):
         "triggers": ["<f"],
     }
     # the trigger's tokens favoured, so every run has tags to check (a model
-    # left to itself may never write "<f")
-    trigger = httpx.post(srv.url + "/tokenize", json={"prompt": "<f", "add_special_tokens": False}).json()["tokens"]
-    bias = {str(t): 30 for t in trigger}
+    # left to itself may never write "<f"), and, less, the pieces of a short
+    # tag's JSON: at temperature 2 a model may otherwise pad the JSON with
+    # whitespace (which the schema allows) up to max_tokens. The bias favours
+    # tokens, not their order: only the grammar makes what follows "<f" a
+    # valid tag.
+    def tokens(text):
+        return httpx.post(srv.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    bias = {str(t): 10 for piece in ('"', ":", "1", "}") for t in tokens(piece)}
+    bias.update({str(t): 30 for t in tokens("<f")})
     r = oai.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=60, temperature=2.0, seed=2, n=4, response_format=fmt, logit_bias=bias
     )
