@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable
 DTYPE_NAMES = ("bfloat16", "float32")
 
 LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear_ops.cpp"
-LINEAR_FUNCTIONS = ["linear_pack", "linear_small", "linear_kernel_path"]
+LINEAR_FUNCTIONS = ["linear_pack", "linear_small", "linear_kernel_path", "gguf_fused_pack", "gguf_fused_linear", "gguf_fused_formats"]
 
 #: the largest number of activation rows the streaming kernel takes, by its
 #: code path and the weight's dtype (beyond it, oneDNN): see the module doc
