@@ -13,7 +13,14 @@ from typing import Any, Callable, Mapping
 
 from plinth.api import Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
 
-from plinth_plugin_cpukernels.gemm import DTYPE_NAMES, PackedLinear, SmallGemm, make_fused_gguf_linear, make_linear, pack_linear
+from plinth_plugin_cpukernels.gemm import (
+    DTYPE_NAMES,
+    PackedLinear,
+    SmallGemm,
+    make_fused_gguf_linear,
+    make_linear,
+    pack_linear,
+)
 from plinth_plugin_cpukernels.quant import (
     GEMM_MIN_ROWS,
     GGUF_FORMATS,
