@@ -67,7 +67,7 @@ from plinth.contract import (
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
-from plinth.moe import routed_experts, tp_token_slice
+from plinth.moe import local_experts, routed_experts, tp_token_slice
 from plinth.parsing import (
     INVALID,
     JsonCallView,
@@ -135,6 +135,7 @@ __all__ = [
     "SiluAndMulOp",
     "DispatchedTokens",
     "expert_ranges",
+    "local_experts",
     "routed_experts",
     "tp_token_slice",
     "DraftRunner",
