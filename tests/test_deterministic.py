@@ -63,9 +63,12 @@ class LogitsRecorder:
         return [self.rows[(tuple(prompt), len(prompt) - 1 + k)] for k in range(NEW_TOKENS)]
 
 
-def run(llm: LLM, targets: list[list[int]], others: list[tuple[list[int], int]] = ()) -> tuple[list[list[int]], LogitsRecorder]:
-    """The targets' greedy tokens, submitted at once with ``others`` (prompt,
-    max tokens) interleaved among them, and their logits."""
+def run(
+    llm: LLM, targets: list[list[int]], others: list[tuple[list[int], int]] = (), *, seeded: bool = False
+) -> tuple[list[list[int]], LogitsRecorder]:
+    """The targets' greedy tokens (``seeded``: sampled at temperature 1 with
+    top_p 0.9, each target's own seed), submitted at once with ``others``
+    (prompt, max tokens) interleaved among them, and their logits."""
     rec = LogitsRecorder(llm, targets)
     prompts: list[list[int]] = []
     params: list[SamplingParams] = []
@@ -76,7 +79,11 @@ def run(llm: LLM, targets: list[list[int]], others: list[tuple[list[int], int]] 
         if is_target:
             where.append(len(prompts))
         prompts.append(p)
-        params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        if is_target and seeded:
+            # the seed is the prompt's own (its length: the targets' differ), alone or among others
+            params.append(SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, seed=1000 + len(p), ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     outs = llm.generate(prompts, params)
     by_prompt = {tuple(prompts[i]): list(outs[i].outputs[0].token_ids) for i in where}
     return [by_prompt[tuple(t)] for t in targets], rec
@@ -211,3 +218,20 @@ def test_speculative_decoding_equals_plain_decoding(model, method):
     assert_same(model["reference"], got, model["targets"], f"{model['name']}: {method} speculation")
     # verification ran (every position's logits from a several-token forward), whether or not a proposal passed
     assert stats["spec_proposed_tokens"] > 0
+
+
+def test_preemption_and_seeded_sampling_change_nothing(model):
+    """Too few pages for the workload (sequences preempted and recomputed),
+    greedy and then seeded sampling: each target's tokens and logits are
+    those it gets alone."""
+    with LLM(model["path"], deterministic=True, page_size=7, num_pages=40, max_num_batched_tokens=64, **model["engine"]) as llm:
+        greedy = run(llm, model["targets"], model["others"])
+        assert llm.engine.stats()["preemptions"] > 0  # 40 pages of 7 cannot hold the 19 sequences at once
+        assert_same(model["reference"], greedy, model["targets"], f"{model['name']}: preempted")
+        seeded = run(llm, model["targets"], model["others"], seeded=True)
+    alone = [run(model["llm"], [t], seeded=True) for t in model["targets"]]
+    for _, rec in alone[1:]:
+        alone[0][1].rows.update(rec.rows)
+    reference = ([tokens[0] for tokens, _ in alone], alone[0][1])
+    assert reference[0] != model["reference"][0]  # sampling, not greedy
+    assert_same(reference, seeded, model["targets"], f"{model['name']}: seeded sampling among others, preempted")
