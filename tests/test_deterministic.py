@@ -235,3 +235,53 @@ def test_preemption_and_seeded_sampling_change_nothing(model):
     reference = ([tokens[0] for tokens, _ in alone], alone[0][1])
     assert reference[0] != model["reference"][0]  # sampling, not greedy
     assert_same(reference, seeded, model["targets"], f"{model['name']}: seeded sampling among others, preempted")
+
+
+@pytest.mark.slow
+def test_served_with_the_flag_over_http(tiny_root):
+    """``platform serve --deterministic`` on the bf16 folder: /version says
+    the mode, and the official openai client gets each prompt's greedy
+    text (and token logprobs) alone equal to what it gets among 16
+    concurrent others."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import httpx
+    import openai
+    from server_fixtures import wait_until_healthy
+
+    path = smol_shaped_bf16_folder(tiny_root)
+    targets, others = workload(VOCAB, 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [str(Path(sys.executable).with_name("platform")), "serve", path, "--port", str(port), "--deterministic"]
+    cmd += ["--dtype", "bfloat16", "--max-model-len", "1024", "--kv-cache-memory", "0.5", "--max-num-batched-tokens", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until_healthy(proc, url, timeout=240)
+        assert httpx.get(url + "/version").json()["engine"]["deterministic"] is True
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def complete(prompt: list[int], n: int = NEW_TOKENS) -> tuple[str, list[float]]:
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+            return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs)
+
+        alone = [complete(t) for t in targets]
+        work = [(t, NEW_TOKENS) for t in targets] + others
+        with ThreadPoolExecutor(len(work)) as pool:
+            together = list(pool.map(lambda w: complete(*w), work))[: len(targets)]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert all(len(lp) == NEW_TOKENS for _, lp in alone)
+    assert together == alone
