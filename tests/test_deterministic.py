@@ -285,3 +285,27 @@ def test_served_with_the_flag_over_http(tiny_root):
             proc.kill()
     assert all(len(lp) == NEW_TOKENS for _, lp in alone)
     assert together == alone
+
+
+@pytest.mark.slow
+def test_tp3_alone_equals_among_16_concurrent_others(tiny_root):
+    """At tp=3 (three ranks over gloo, the bf16 folder: 9 heads, 3 KV heads): each target's greedy
+    tokens and their logprobs alone equal those among 16 others, in steps
+    of 32 tokens (chunked prefills beside decodes)."""
+    path = smol_shaped_bf16_folder(tiny_root)
+    targets, others = workload(VOCAB, 0)
+
+    def generate(llm: LLM, work: list[tuple[list[int], int]]) -> list[tuple[list[int], list[float]]]:
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0) for _, n in work]
+        outs = llm.generate([p for p, _ in work], params)
+        return [(list(o.outputs[0].token_ids), [lp.logprob for lp in o.outputs[0].logprobs or []]) for o in outs]
+
+    with LLM(path, tp=3, deterministic=True, page_size=16, max_num_batched_tokens=32, **dict(BASE, backend="auto")) as llm:
+        alone = [generate(llm, [(t, NEW_TOKENS)])[0] for t in targets]
+        work = [(t, NEW_TOKENS) for t in targets] + others
+        random.Random(7).shuffle(work)
+        together = generate(llm, work)
+    by_prompt = {tuple(p): r for (p, _), r in zip(work, together)}
+    for t, want in zip(targets, alone):
+        assert len(want[1]) == NEW_TOKENS
+        assert by_prompt[tuple(t)] == want

@@ -4,6 +4,7 @@ public names, never from core internals; anything not listed here may change
 without notice."""
 
 from plinth.checkpoint import CheckpointLoader
+from plinth.collectives import all_reduce_sum
 from plinth.contract import (
     BASE_OPS,
     FUSED_OPS,
@@ -136,6 +137,7 @@ __all__ = [
     "DispatchedTokens",
     "expert_ranges",
     "local_experts",
+    "all_reduce_sum",
     "routed_experts",
     "tp_token_slice",
     "DraftRunner",

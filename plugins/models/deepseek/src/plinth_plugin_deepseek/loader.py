@@ -313,6 +313,7 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
         tp_rank=tp_rank,
         tp_size=tp,
         a2a=ctx.a2a if ctx.ep_size > 1 else None,
+        fixed_order=ctx.deterministic,
     )
 
 

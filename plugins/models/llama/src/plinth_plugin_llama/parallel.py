@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from plinth.api import ConfigError, LoadContext, local_experts
+from plinth.api import ConfigError, LoadContext, all_reduce_sum, local_experts
 
 
 @dataclass
@@ -35,17 +35,17 @@ class Parallel:
     ep_size: int = 1
     ep_group: Any = None
     a2a: Any = None
+    #: deterministic serving: the tp sum in rank order (``plinth.api.all_reduce_sum``)
+    fixed_order: bool = False
 
     @classmethod
     def from_ctx(cls, ctx: LoadContext) -> "Parallel":
-        return cls(ctx.tp_rank, ctx.tp_size, ctx.tp_group, ctx.ep_rank, ctx.ep_size, ctx.ep_group, ctx.a2a)
+        return cls(ctx.tp_rank, ctx.tp_size, ctx.tp_group, ctx.ep_rank, ctx.ep_size, ctx.ep_group, ctx.a2a, ctx.deterministic)
 
     # ---- collectives ------------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(x, group=self.tp_group)
-        return x
+        return all_reduce_sum(x, self.tp_group if self.tp_size > 1 else None, fixed_order=self.fixed_order)
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every tp rank's x along the last dimension."""
