@@ -287,20 +287,45 @@ def test_served_with_the_flag_over_http(tiny_root):
     assert together == alone
 
 
+def tiny_moe_folder(root: str) -> str:
+    """The tiny Qwen3-MoE folder of the llama plugin's tests, with the tiny tokenizer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/models/llama/tests"))
+    from tiny_moe import saved_model
+
+    path = saved_model("qwen3moe", root)
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        write_tokenizer(path)
+    return path
+
+
 @pytest.mark.slow
-def test_tp3_alone_equals_among_16_concurrent_others(tiny_root):
-    """At tp=3 (three ranks over gloo, the bf16 folder: 9 heads, 3 KV heads): each target's greedy
-    tokens and their logprobs alone equal those among 16 others, in steps
-    of 32 tokens (chunked prefills beside decodes)."""
-    path = smol_shaped_bf16_folder(tiny_root)
-    targets, others = workload(VOCAB, 0)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(dict(tp=3), id="tp3"),  # the bf16 folder: 9 heads, 3 KV heads
+        pytest.param(dict(ep=2, a2a="nccl"), id="ep2"),  # the tiny MoE: experts over 2 ranks (dp 2)
+        pytest.param(dict(dp=2), id="dp2"),  # the tiny MoE: two schedulers
+    ],
+)
+def test_parallel_alone_equals_among_16_concurrent_others(tiny_root, layout):
+    """Across ranks (over gloo), each target's greedy tokens and their
+    logprobs alone equal those among 16 others, in steps of 32 tokens
+    (chunked prefills beside decodes). Without the mode, tp2, ep2 and dp2
+    each gave all three targets other tokens or logprobs (measured once)."""
+    if "tp" in layout:
+        path, (targets, others) = smol_shaped_bf16_folder(tiny_root), workload(VOCAB, 0)
+    else:
+        path, (targets, others) = tiny_moe_folder(tiny_root), workload(250, 3)
 
     def generate(llm: LLM, work: list[tuple[list[int], int]]) -> list[tuple[list[int], list[float]]]:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0) for _, n in work]
         outs = llm.generate([p for p, _ in work], params)
         return [(list(o.outputs[0].token_ids), [lp.logprob for lp in o.outputs[0].logprobs or []]) for o in outs]
 
-    with LLM(path, tp=3, deterministic=True, page_size=16, max_num_batched_tokens=32, **dict(BASE, backend="auto")) as llm:
+    with LLM(path, deterministic=True, page_size=16, max_num_batched_tokens=32, **dict(BASE, backend="auto"), **layout) as llm:
         alone = [generate(llm, [(t, NEW_TOKENS)])[0] for t in targets]
         work = [(t, NEW_TOKENS) for t in targets] + others
         random.Random(7).shuffle(work)
