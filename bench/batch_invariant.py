@@ -6,11 +6,13 @@ lm_head; random weights) through the op table start-up builds, with
 Weights: ``dense`` bfloat16/float32 (cpukernels: oneDNN above 16 rows by
 default, the streaming kernel for every batch when deterministic), ``gguf``
 (Q4_1 layers and a Q8_0 head, as the bundled GGUF; by default the integer
-kernel below 12 rows and a dequantized bf16 copy above, deterministic: the
-integer kernel, 4 rows at a time, for every batch), and the torch reference
-(``--backend torch``: F.linear against one GEMM a row). Steps alternate
-between the two modes; medians of ``--steps``, one thread,
-``time.thread_time``.
+kernel below 12 rows and a dequantized bf16 copy above; deterministic: the
+fused kernel on the blocks up to ``FUSED_GGUF_ROWS`` rows and the dense
+copy's streaming kernel above, bit-identical; column "no fused": the dense
+copy for every batch, ``PLINTH_CPU_FUSED_GGUF_ROWS=0``, as before the fused
+kernel), and the torch reference (``--backend torch``: F.linear against one
+GEMM a row). Steps alternate between the modes; medians of ``--steps``, one
+thread, ``time.thread_time``.
 
     .venv/bin/python bench/batch_invariant.py [--weights dense,gguf] [--rows 1,16,64] [--dtype bfloat16]
 """
@@ -18,6 +20,7 @@ between the two modes; medians of ``--steps``, one thread,
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -57,36 +60,46 @@ def main() -> None:
 
     cpu = load_accelerator("cpu")
     dtype = getattr(torch, args.dtype)
-    tables = {det: op_table(SelectionContext(accelerator=cpu, dtype=dtype, deterministic=det), args.backend) for det in (False, True)}
+    from plinth_plugin_cpukernels.gemm import FUSED_GGUF_ROWS_ENV
+
+    # modes: the default, deterministic, deterministic without the fused GGUF kernel
+    modes = ("default", "deterministic", "no fused")
+    tables = {}
+    chosen = os.environ.get(FUSED_GGUF_ROWS_ENV, "")
+    for mode in modes:
+        os.environ[FUSED_GGUF_ROWS_ENV] = "0" if mode == "no fused" else chosen
+        tables[mode] = op_table(SelectionContext(accelerator=cpu, dtype=dtype, deterministic=mode != "default"), args.backend)
+    os.environ[FUSED_GGUF_ROWS_ENV] = chosen
     shapes = LAYER * 30 + [HEAD]
     print(f"# backend {args.backend}, {args.dtype}, threads {args.threads}, thread_time, median of {args.steps} steps")
-    print("| weights | M | default ms/step | deterministic ms/step | deterministic/default |")
-    print("|---|---:|---:|---:|---:|")
+    print("| weights | M | default ms/step | deterministic ms/step | deterministic/default | no fused ms/step | no fused/default |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for kind in args.weights.split(","):
         rng = np.random.default_rng(0)
         if kind == "gguf":
             raw = [gguf_weight(n, k, "Q8_0" if (n, k) == HEAD else "Q4_1", rng) for n, k in shapes]
         else:
             raw = [torch.randn(n, k).to(dtype) / k**0.5 for n, k in shapes]
-        packed = {det: [t.pack_linear(w) for w in raw] for det, t in tables.items()}
+        packed = {mode: [t.pack_linear(w) for w in raw] for mode, t in tables.items()}
         del raw
         for m in [int(r) for r in args.rows.split(",")]:
             xs = {k: torch.randn(m, k).to(dtype) for _, k in shapes}
 
-            def step(det: bool, xs=xs, packed=packed) -> float:
-                linear = tables[det].linear
+            def step(mode: str, xs=xs, packed=packed) -> float:
+                linear = tables[mode].linear
                 t = time.thread_time()
-                for (_, k), w in zip(shapes, packed[det]):
+                for (_, k), w in zip(shapes, packed[mode]):
                     linear(xs[k], w)
                 return time.thread_time() - t
 
-            step(False), step(True)
-            times: dict[bool, list[float]] = {False: [], True: []}
+            for mode in modes:
+                step(mode)
+            times: dict[str, list[float]] = {mode: [] for mode in modes}
             for _ in range(args.steps):
-                for det in (False, True):
-                    times[det].append(step(det))
-            d, t = statistics.median(times[False]), statistics.median(times[True])
-            print(f"| {kind} | {m} | {d * 1e3:.1f} | {t * 1e3:.1f} | {t / d:.2f} |", flush=True)
+                for mode in modes:
+                    times[mode].append(step(mode))
+            d, t, nf = (statistics.median(times[mode]) for mode in modes)
+            print(f"| {kind} | {m} | {d * 1e3:.1f} | {t * 1e3:.1f} | {t / d:.2f} | {nf * 1e3:.1f} | {nf / d:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,14 @@ from typing import Any, Callable, Mapping
 
 from plinth.api import Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
 
-from plinth_plugin_cpukernels.gemm import DTYPE_NAMES, PackedLinear, SmallGemm, make_linear, pack_linear
+from plinth_plugin_cpukernels.gemm import (
+    DTYPE_NAMES,
+    PackedLinear,
+    SmallGemm,
+    make_fused_gguf_linear,
+    make_linear,
+    pack_linear,
+)
 from plinth_plugin_cpukernels.quant import (
     GEMM_MIN_ROWS,
     GGUF_FORMATS,
@@ -118,9 +125,16 @@ class CPUKernelsBackend(Backend):
                 packed = pack_linear(w, bf16=bf16_gemm, small=small)
                 return packed if type(packed) is PackedLinear else None
 
-            gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype, invariant=invariant)
-            # deterministic mode: a GGUF weight with a dense copy streams it for every batch (quant.py)
+            def fused_pack(w: GGUFLinear) -> Any:
+                return small.fused_gguf_pack(w.blocks, w.code, w.out_features, w.in_features)
+
+            bf16_dense = str(dense_dtype) == "torch.bfloat16"
+            gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype, invariant=invariant, fused_pack=fused_pack if bf16_dense else None)
+            # deterministic mode: a GGUF weight with a dense copy streams it for every batch (quant.py),
+            # up to fused_rows rows through the fused kernel on its blocks (bit-identical, gemm.py)
             dense_rows = 0 if invariant else GEMM_MIN_ROWS
+            fused_rows = small.fused_gguf_rows
+            fused_linear = make_fused_gguf_linear(small)
 
             def pack(weight: Any) -> Any:
                 if isinstance(weight, QuantizedWeight) and format_name(weight.format):
@@ -130,6 +144,8 @@ class CPUKernelsBackend(Backend):
 
             def linear(x: Any, weight: Any, bias: Any = None) -> Any:
                 if type(weight) is GGUFLinear:
+                    if weight.fused is not None and x.numel() <= fused_rows * weight.in_features:
+                        return fused_linear(x, weight, bias)
                     if weight.dense is not None and x.numel() >= dense_rows * weight.in_features:
                         return dense_linear(x, weight.dense, bias)
                     return gguf.linear(x, weight, bias)

@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable
 DTYPE_NAMES = ("bfloat16", "float32")
 
 LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear_ops.cpp"
-LINEAR_FUNCTIONS = ["linear_pack", "linear_small", "linear_kernel_path"]
+LINEAR_FUNCTIONS = ["linear_pack", "linear_small", "linear_kernel_path", "gguf_fused_pack", "gguf_fused_linear", "gguf_fused_formats"]
 
 #: the largest number of activation rows the streaming kernel takes, by its
 #: code path and the weight's dtype (beyond it, oneDNN): see the module doc
@@ -71,6 +71,11 @@ SMALL_ROWS = {
 #: copies may take (they double the dense weights' memory)
 SMALL_COPY_SHARE = 0.25
 ROWS_ENV = "PLINTH_CPU_SMALL_GEMM_ROWS"
+#: deterministic mode, GGUF Q4_0/Q4_1/Q8_0 weights with a bfloat16 dense copy:
+#: batches of up to this many rows take the fused kernel on the blocks, larger
+#: ones the dense copy (bit-identical results, see ``SmallGemm.fused_gguf_pack``)
+FUSED_GGUF_ROWS = 8
+FUSED_GGUF_ROWS_ENV = "PLINTH_CPU_FUSED_GGUF_ROWS"
 #: the row limit of deterministic mode: every batch
 ALL_ROWS = 1 << 62
 
@@ -118,6 +123,9 @@ class SmallGemm:
             self.rows = {name: ALL_ROWS for name in DTYPE_NAMES}
         self.budget = budget
         self.kernels: Any = None
+        #: deterministic mode: rows up to which GGUF weights take the fused kernel (0: never)
+        self.fused_gguf_rows = int(os.environ.get(FUSED_GGUF_ROWS_ENV, "").strip() or FUSED_GGUF_ROWS) if invariant else 0
+        self._fused_formats: frozenset[int] | None = None
 
     def rows_for(self, dtype: Any) -> int:
         return self.rows.get(str(dtype).removeprefix("torch."), 0)
@@ -135,6 +143,46 @@ class SmallGemm:
             self.kernels = load_linear_kernels(self.isa)
         self.budget -= size
         return self.kernels.linear_pack(weight)
+
+
+    def fused_gguf_pack(self, blocks: Any, code: int, out_features: int, in_features: int) -> Any:
+        """The fused kernel's records of a GGUF weight (its file blocks, format
+        ``code`` as quant.py), or None: not deterministic mode, or this build
+        has no fused kernel for the format (only the AVX512-BF16 build has one).
+
+        Why (csrc/linear_ops.cpp): deterministic mode runs a GGUF weight from
+        its bf16 dense copy through the streaming kernel, which reads 16 bits a
+        weight where the blocks hold 4.5-8.5. The fused kernel reads the blocks
+        (repacked into 16-row records), dequantizes them in registers to
+        exactly the dense copy's bf16 values and runs the same vdpbf16ps
+        sequence, so its results are bit-identical to the dense copy's for
+        every batch and the two can share the batches by size. Other builds
+        (AVX-512F, AVX2+FMA, scalar) do not offer it: the dense copy serves
+        every batch there, as before."""
+        if self.fused_gguf_rows <= 0:
+            return None
+        if self.kernels is None:
+            self.kernels = load_linear_kernels(self.isa)
+        if self._fused_formats is None:
+            self._fused_formats = frozenset(int(c) for c in self.kernels.gguf_fused_formats())
+        if code not in self._fused_formats:
+            return None
+        return self.kernels.gguf_fused_pack(blocks, code, out_features, in_features)
+
+
+def make_fused_gguf_linear(small: SmallGemm) -> Callable[..., Any]:
+    """linear(x, w, bias) on a GGUF weight's fused records (``w.fused``, from
+    ``SmallGemm.fused_gguf_pack``) -> [..., out] bfloat16."""
+    import torch
+
+    def linear(x: Any, weight: Any, bias: Any = None) -> Any:
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
+        shape = x.shape
+        y = small.kernels.gguf_fused_linear(x.reshape(-1, shape[-1]), weight.fused, weight.code, weight.out_features, weight.in_features, bias)
+        return y.view(*shape[:-1], weight.out_features)
+
+    return linear
 
 
 class PackedLinear:

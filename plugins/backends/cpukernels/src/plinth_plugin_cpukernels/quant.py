@@ -61,7 +61,7 @@ def format_name(fmt: str) -> str | None:
 class GGUFLinear:
     """A GGUF weight in its file blocks, with what linear needs to know."""
 
-    __slots__ = ("blocks", "code", "type_name", "out_features", "in_features", "dense")
+    __slots__ = ("blocks", "code", "type_name", "out_features", "in_features", "dense", "fused")
 
     def __init__(self, blocks: Any, type_name: str, shape: tuple[int, int]) -> None:
         import torch
@@ -78,6 +78,9 @@ class GGUFLinear:
         #: which batches of ``GEMM_MIN_ROWS`` rows and more multiply; None: they
         #: dequantize a tile at a time on every call
         self.dense: Any = None
+        #: deterministic mode: the blocks repacked for the fused kernel (gemm.py
+        #: ``SmallGemm.fused_gguf_pack``), bit-identical to ``dense``; None: ``dense`` serves every batch
+        self.fused: Any = None
 
     def nbytes(self) -> int:
         """Bytes a decode step reads: the blocks (the dense copy serves only large batches)."""
@@ -187,10 +190,20 @@ class GGUFOps:
     a weight, not 4.5) and 1.1x / 1.0x at 16 / 64 rows; the integer kernel
     1.09x at 1 row but 2.0x / 2.8x at 16 / 64 (about 56 GFLOP/s where bf16
     streams at ~190). ``PLINTH_CPU_DETERMINISTIC_GGUF=integer`` takes the
-    integer kernel for every weight (small batches, little memory)."""
+    integer kernel for every weight (small batches, little memory). With a
+    dense copy, ``fused_pack`` (gemm.py) also repacks the blocks for a kernel
+    bit-identical to the dense copy's that small batches take (it reads the
+    blocks, not 16 bits a weight)."""
 
     def __init__(
-        self, isa: Iterable[str], bf16_gemm: bool, *, dense_pack: Callable[[Any], Any] | None = None, dense_dtype: Any = None, invariant: bool = False
+        self,
+        isa: Iterable[str],
+        bf16_gemm: bool,
+        *,
+        dense_pack: Callable[[Any], Any] | None = None,
+        dense_dtype: Any = None,
+        invariant: bool = False,
+        fused_pack: Callable[[GGUFLinear], Any] | None = None,
     ) -> None:
         self.isa = tuple(isa)
         self.bf16_gemm = bf16_gemm
@@ -199,6 +212,8 @@ class GGUFOps:
         if invariant and os.environ.get(DETERMINISTIC_PATH_ENV, "dense") == "integer":
             dense_pack = dense_dtype = None
         self.dense_pack, self.dense_dtype = dense_pack, dense_dtype
+        #: deterministic mode: a weight's records for the fused kernel, beside its dense copy
+        self.fused_pack = fused_pack if invariant else None
         self.dense_budget: int | None = None
         self._kernels: Any = None
         self._linear: Callable[..., Any] | None = None
@@ -218,6 +233,8 @@ class GGUFOps:
             if self.dense_budget is not None and size <= self.dense_budget:
                 self.dense_budget -= size
                 packed.dense = self.dense_pack(packed.dequantize(self._kernels, bf16))
+                if packed.dense is not None and self.fused_pack is not None:
+                    packed.fused = self.fused_pack(packed)
         return packed
 
     def linear(self, x: Any, weight: GGUFLinear, bias: Any = None) -> Any:

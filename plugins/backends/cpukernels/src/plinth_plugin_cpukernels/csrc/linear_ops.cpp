@@ -287,6 +287,151 @@ inline void store_tile(const float* tile, int nrow, int ncol_tile, int64_t n0, i
   }
 }
 
+
+// ---------------------------------------------------------------- fused GGUF blocks (deterministic mode)
+// Q4_0, Q4_1 and Q8_0 weights (format codes as quant.py), repacked at load by
+// gguf_fused_pack into records of 16 output rows x 32 k (one GGUF block per
+// row), still ~4.5-8.5 bits a weight:
+//   Q4_x: 4 x 64 bytes of nibbles, then 16 f16 d (Q4_1: then 16 f16 m).
+//         Line 2c+h, dword lane 2r+s: row 8h+r's weights k = 2(8c+j)+s at
+//         bits 4j..4j+3, j = 0..7 (the pairs of kk = 8c+j for that lane).
+//   Q8_0: 32 x 16 bytes: line 2kk+h, byte 2r+s = row 8h+r's q[2kk+s]; then 16 f16 d.
+// The kernel dequantizes a record in registers to EXACTLY the bf16 values of
+// gguf_dequantize(bf16=True) (quant_ops.cpp): there v = fma(u, d, m - d*offset)
+// rounded once to fp32; d*(u - offset) is exact in fp32 (an f16 times at most
+// 8 bits), so v = round_fp32(d*(u - offset) + m) whichever way it is computed
+// (here d*(u - 8) or d*q with one multiply, Q4_1 one fma), then rounded to
+// nearest even into bf16 (vcvtne2ps2bf16, as vcvtneps2bf16 there; no fp32
+// subnormal can arise: every value is 0 or a multiple of 2^-24). Each pair
+// vector then meets the activations in the SAME vdpbf16ps sequence as
+// ukernel_bf16 on the dense copy (same pairs, k in the same order, one fp32
+// lane per output from zero), so results are bit-identical to linear_small on
+// linear_pack(gguf_dequantize(...)) for every M: deterministic mode can take
+// this kernel for few rows (it reads the blocks, not 16 bits a weight) and the
+// dense copy for many, and stay batch-invariant.
+// Only the AVX512-BF16 build has the kernel (gguf_fused_formats() is empty
+// elsewhere, and the dense copy runs as before); the pack is portable.
+constexpr int GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2;
+
+inline int64_t gguf_block_bytes(int fmt) { return fmt == GGUF_Q4_0 ? 18 : fmt == GGUF_Q4_1 ? 20 : 34; }
+inline int64_t fused_record_bytes(int fmt) { return fmt == GGUF_Q4_0 ? 288 : fmt == GGUF_Q4_1 ? 320 : 544; }
+
+#if defined(PLINTH_LIN_AVX512BF16)
+constexpr int FUSED_MG = 8;  // rows per group
+// blocks per microkernel (2 share each activation load; 4 for Q8_0 at one row measured no faster)
+constexpr int fused_nr_for(int /*fmt*/, int mr) { return mr <= 4 ? 2 : 1; }
+// Software prefetch: each record's lines in the blocks of the NEXT microkernel call
+// (NR * wstride on), into L1 when that tile is small, else L2. Measured (SmolLM2's
+// gate_up Q4_1 and Q8_0 head, one row, one thread, loaded): within-stream distances
+// of 1-4 KB left the kernel 1.5-1.8x the integer kernel's time, the next tile 0.93-1.1x
+// (Q4_1) and 1.15-1.4x (Q8_0 head, L2).
+constexpr int64_t FUSED_PF_L1_BYTES = 16 << 10;  // next tiles up to this size: into L1
+
+// lane 2r+s of the pair layout takes row r (lo) or 8+r (hi) of a 16-row vector
+inline __m512i pair_rows(int base) {
+  return _mm512_set_epi32(base + 7, base + 7, base + 6, base + 6, base + 5, base + 5, base + 4, base + 4, base + 3,
+                          base + 3, base + 2, base + 2, base + 1, base + 1, base, base);
+}
+
+template <int MR, int NR, int FMT>
+inline void ukernel_gguf(const uint16_t* xb, int64_t ldx, const uint8_t* w, int64_t wstride, int64_t nblk,
+                         float* tile) {
+  constexpr int64_t REC = FMT == GGUF_Q4_0 ? 288 : FMT == GGUF_Q4_1 ? 320 : 544;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i lo_rows = pair_rows(0), hi_rows = pair_rows(8);
+  // u -> float(u - offset): vpermps reads only an index's low 4 bits
+  const __m512 utab = FMT == GGUF_Q4_0
+                          ? _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8)
+                          : _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t b = 0; b < nblk; ++b) {
+    const uint8_t* rec[NR];
+    __m512 dlo[NR], dhi[NR], mlo[NR], mhi[NR];
+    constexpr int64_t SCALES = FMT == GGUF_Q8_0 ? 512 : 256;
+    for (int j = 0; j < NR; ++j) {
+      rec[j] = w + j * wstride + b * REC;
+      const char* next = reinterpret_cast<const char*>(rec[j] + NR * wstride);
+      for (int64_t off = 0; off < REC; off += 64) {
+        if (NR * wstride <= FUSED_PF_L1_BYTES) _mm_prefetch(next + off, _MM_HINT_T0);
+        else _mm_prefetch(next + off, _MM_HINT_T1);
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[j] + SCALES)));
+      dlo[j] = _mm512_permutexvar_ps(lo_rows, d);
+      dhi[j] = _mm512_permutexvar_ps(hi_rows, d);
+      if constexpr (FMT == GGUF_Q4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[j] + SCALES + 32)));
+        mlo[j] = _mm512_permutexvar_ps(lo_rows, m);
+        mhi[j] = _mm512_permutexvar_ps(hi_rows, m);
+      } else {
+        mlo[j] = mhi[j] = _mm512_setzero_ps();
+      }
+    }
+    auto step = [&](int64_t kk, const __m512bh* wv) {
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xb + i * ldx + 2 * kk, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      }
+    };
+    if constexpr (FMT == GGUF_Q8_0) {
+      for (int kk = 0; kk < 16; ++kk) {
+        __m512bh wv[NR];
+        for (int j = 0; j < NR; ++j) {
+          const __m128i* line = reinterpret_cast<const __m128i*>(rec[j] + 32 * kk);
+          const __m512 vlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line))), dlo[j]);
+          const __m512 vhi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 1))), dhi[j]);
+          wv[j] = _mm512_cvtne2ps_pbh(vhi, vlo);  // words 0-15 from vlo: rows 0-7's pairs, then rows 8-15's
+        }
+        step(16 * b + kk, wv);
+      }
+    } else {
+      for (int c = 0; c < 2; ++c) {
+        __m512i qlo[NR], qhi[NR];
+        for (int j = 0; j < NR; ++j) {
+          qlo[j] = _mm512_loadu_si512(rec[j] + 128 * c);
+          qhi[j] = _mm512_loadu_si512(rec[j] + 128 * c + 64);
+        }
+        for (int p = 0; p < 8; ++p) {
+          __m512bh wv[NR];
+          for (int j = 0; j < NR; ++j) {
+            __m512 vlo = _mm512_permutexvar_ps(qlo[j], utab), vhi = _mm512_permutexvar_ps(qhi[j], utab);
+            if constexpr (FMT == GGUF_Q4_1) {
+              vlo = _mm512_fmadd_ps(vlo, dlo[j], mlo[j]);
+              vhi = _mm512_fmadd_ps(vhi, dhi[j], mhi[j]);
+            } else {
+              vlo = _mm512_mul_ps(vlo, dlo[j]);
+              vhi = _mm512_mul_ps(vhi, dhi[j]);
+            }
+            wv[j] = _mm512_cvtne2ps_pbh(vhi, vlo);
+            qlo[j] = _mm512_srli_epi32(qlo[j], 4);
+            qhi[j] = _mm512_srli_epi32(qhi[j], 4);
+          }
+          step(16 * b + 8 * c + p, wv);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(tile + i * NR * 16 + j * 16, acc[i][j]);
+}
+
+template <int MR, int NR, int FMT>
+inline void fused_blocks(const uint16_t* xb, int64_t ldx, const uint8_t* w, int64_t wstride, int64_t nblk, int nr,
+                         float* tile) {
+  if (nr >= NR) return ukernel_gguf<MR, NR, FMT>(xb, ldx, w, wstride, nblk, tile);
+  if constexpr (NR > 1) return fused_blocks<MR, NR - 1, FMT>(xb, ldx, w, wstride, nblk, nr, tile);
+}
+
+template <int MR, int FMT>
+inline void fused_group(const uint16_t* xb, int64_t ldx, int mr, const uint8_t* w, int64_t wstride, int64_t nblk,
+                        int nr, float* tile) {
+  if (mr == MR) return fused_blocks<MR, fused_nr_for(FMT, MR), FMT>(xb, ldx, w, wstride, nblk, nr, tile);
+  if constexpr (MR > 1) return fused_group<MR - 1, FMT>(xb, ldx, mr, w, wstride, nblk, nr, tile);
+}
+#endif
+
 }  // namespace
 
 // ---------------------------------------------------------------- entry points
@@ -405,4 +550,107 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor packed, int64_t N, int
     }
   });
   return y;
+}
+
+// ---------------------------------------------------------------- fused GGUF entry points
+
+// the GGUF format codes gguf_fused_linear runs in this build (empty: none)
+std::vector<int64_t> gguf_fused_formats() {
+#if defined(PLINTH_LIN_AVX512BF16)
+  return {GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0};
+#else
+  return {};
+#endif
+}
+
+// GGUF blocks uint8 [N, K/32 * block bytes] (Q4_0, Q4_1, Q8_0) -> the fused
+// records, uint8 [ceil(N/16) * K/32 * record bytes] (rows past N: zeros)
+torch::Tensor gguf_fused_pack(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
+  TORCH_CHECK(fmt == GGUF_Q4_0 || fmt == GGUF_Q4_1 || fmt == GGUF_Q8_0, "gguf_fused_pack: Q4_0, Q4_1 or Q8_0 only, got format ", fmt);
+  TORCH_CHECK(K % 32 == 0, "gguf_fused_pack: K must be a multiple of 32");
+  blocks = blocks.contiguous();
+  const int64_t nblk = K / 32, bb = gguf_block_bytes(int(fmt)), rec = fused_record_bytes(int(fmt));
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(0) == N && blocks.size(1) == nblk * bb,
+              "gguf_fused_pack: blocks must be uint8 [N, K/32 * ", bb, "]");
+  const int64_t NB = (N + BLK - 1) / BLK;
+  auto out = torch::zeros({NB * nblk * rec}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NB, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nblk; ++b) {
+        uint8_t* r = dst + (g * nblk + b) * rec;
+        for (int l = 0; l < BLK && g * BLK + l < N; ++l) {
+          const uint8_t* blk = src + (g * BLK + l) * nblk * bb + b * bb;
+          const int h = l / 8, lane = 2 * (l % 8);
+          if (fmt == GGUF_Q8_0) {
+            for (int k = 0; k < 32; ++k) r[(2 * (k / 2) + h) * 16 + lane + (k & 1)] = blk[2 + k];
+            std::memcpy(r + 512 + 2 * l, blk, 2);
+            continue;
+          }
+          const uint8_t* qs = blk + (fmt == GGUF_Q4_0 ? 2 : 4);
+          for (int k = 0; k < 32; ++k) {
+            const uint8_t nib = k < 16 ? (qs[k] & 0xF) : (qs[k - 16] >> 4);
+            const int kk = k / 2, s = k & 1, c = kk / 8, j = kk % 8;
+            uint8_t* dword = r + (2 * c + h) * 64 + 4 * (lane + s);
+            dword[j / 2] |= uint8_t(nib << (4 * (j & 1)));
+          }
+          std::memcpy(r + 256 + 2 * l, blk, 2);                                  // d
+          if (fmt == GGUF_Q4_1) std::memcpy(r + 288 + 2 * l, blk + 2, 2);       // m
+        }
+      }
+  });
+  return out;
+}
+
+// x [M, K] bfloat16 times the fused records of a [N, K] GGUF weight (+ bias) -> [M, N] bfloat16,
+// bit-identical to linear_small(x, linear_pack(gguf_dequantize(w, bf16=True)), N, K, bias)
+torch::Tensor gguf_fused_linear(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N, int64_t K,
+                                c10::optional<torch::Tensor> bias) {
+#if defined(PLINTH_LIN_AVX512BF16)
+  TORCH_CHECK(fmt == GGUF_Q4_0 || fmt == GGUF_Q4_1 || fmt == GGUF_Q8_0, "gguf_fused_linear: Q4_0, Q4_1 or Q8_0 only, got format ", fmt);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16, "gguf_fused_linear: x must be bfloat16 [M, K]");
+  TORCH_CHECK(K % 32 == 0, "gguf_fused_linear: K must be a multiple of 32");
+  const int64_t M = x.size(0), NB = (N + BLK - 1) / BLK, nblk = K / 32, rec = fused_record_bytes(int(fmt));
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == NB * nblk * rec, "gguf_fused_linear: packed records do not match N, K");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  x = x.contiguous();
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t wstride = nblk * rec;
+  torch::Tensor bias_f;
+  const float* bptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "gguf_fused_linear: bias must have N elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+    bptr = bias_f.data_ptr<float>();
+  }
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  static_assert(FUSED_MG * fused_nr_for(GGUF_Q4_1, FUSED_MG) * 16 <= TILE_FLOATS && fused_nr_for(GGUF_Q8_0, 1) * 16 <= TILE_FLOATS, "tile buffer");
+  const int64_t grain = std::max<int64_t>(fused_nr_for(int(fmt), int(std::min<int64_t>(M, FUSED_MG))), (int64_t(32) << 10) / std::max<int64_t>(1, wstride));
+  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    alignas(64) float tile[TILE_FLOATS];
+    for (int64_t c0 = b0; c0 < b1; c0 += CHUNK_BLOCKS) {
+      const int64_t c1 = std::min<int64_t>(b1, c0 + CHUNK_BLOCKS);
+      for (int64_t m0 = 0; m0 < M; m0 += FUSED_MG) {
+        const int mr = int(std::min<int64_t>(FUSED_MG, M - m0));
+        for (int64_t nb = c0; nb < c1;) {
+          const int nr = int(std::min<int64_t>(c1 - nb, fused_nr_for(int(fmt), mr)));
+          const uint8_t* wb = w + nb * wstride;
+          const uint16_t* xr = xb + m0 * K;
+          if (fmt == GGUF_Q4_1) fused_group<FUSED_MG, GGUF_Q4_1>(xr, K, mr, wb, wstride, nblk, nr, tile);
+          else if (fmt == GGUF_Q4_0) fused_group<FUSED_MG, GGUF_Q4_0>(xr, K, mr, wb, wstride, nblk, nr, tile);
+          else fused_group<FUSED_MG, GGUF_Q8_0>(xr, K, mr, wb, wstride, nblk, nr, tile);
+          store_tile(tile, mr, nr * 16, nb * BLK, N, bptr, yp + m0 * N, N);
+          nb += nr;
+        }
+      }
+    }
+  });
+  return y;
+#else
+  (void)x; (void)packed; (void)fmt; (void)N; (void)K; (void)bias;
+  TORCH_CHECK(false, "gguf_fused_linear: this build (", linear_kernel_path(), ") has no fused GGUF kernel: see gguf_fused_formats()");
+#endif
 }

@@ -1,0 +1,127 @@
+"""The fused-dequant GGUF kernel (csrc/linear_ops.cpp ``gguf_fused_linear``,
+deterministic mode's path for few rows): bit for bit the dense streaming
+kernel on the weight's bfloat16 dense copy, for every M, so deterministic
+mode can split batches between the two by size; builds without it (AVX2)
+do not offer it, and the backend takes it only where it exists."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from plinth.api import QuantizedWeight, SelectionContext, load_accelerator
+from plinth.testing import op_table
+from plinth_plugin_cpukernels.backend import accelerator_isa, bf16_gemm_missing
+from plinth_plugin_cpukernels.gemm import FUSED_GGUF_ROWS, SmallGemm, linear_kernel_path, load_linear_kernels
+from plinth_plugin_cpukernels.quant import GGUF_FORMATS, load_quant_kernels
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_quant import random_blocks  # noqa: E402
+from test_small_gemm import AVX2, NATIVE, X86  # noqa: E402
+
+CPU = load_accelerator("cpu")
+FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+#: (N, K): N not a multiple of 16, K not a multiple of 256; SmolLM2's o projection
+SHAPES = [(17, 32), (40, 96), (100, 288), (33, 800), (576, 576)]
+ROWS = [1, 2, 3, 4, 7, 8, 9, 16]
+NATIVE_HAS_IT = linear_kernel_path(NATIVE) == "avx512-bf16 (vdpbf16ps)"
+
+
+def _blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Quantized by gguf, with every 7th block's scale an f16 subnormal (the
+    dequantized values' smallest magnitudes) and Q4_1 minimums of both signs."""
+    blocks, _ = random_blocks(name, n, k, seed)
+    _, _, nbytes = GGUF_FORMATS[name]
+    view = blocks.view(n, k // 32, nbytes)
+    rng = np.random.default_rng(seed)
+    view[:, ::7, 0:2] = torch.from_numpy(np.frombuffer(rng.integers(1, 0x3FF, view[:, ::7, 0].numel()).astype(np.uint16).tobytes(), np.uint8).copy()).view(view[:, ::7, 0:2].shape)
+    if name == "Q4_1":
+        m = rng.uniform(-2, 2, (n, k // 32)).astype(np.float16)
+        view[:, :, 2:4] = torch.from_numpy(np.frombuffer(m.tobytes(), np.uint8).copy()).view(n, k // 32, 2)
+    return blocks
+
+
+@pytest.mark.skipif(not NATIVE_HAS_IT, reason="the fused kernel needs the AVX512-BF16 build (this CPU lacks avx512_bf16 or avx512bw)")
+@pytest.mark.parametrize("name", FORMATS)
+def test_fused_equals_the_dense_streaming_kernel(name):
+    lin, quant = load_linear_kernels(NATIVE), load_quant_kernels(NATIVE)
+    code = GGUF_FORMATS[name][0]
+    assert code in list(lin.gguf_fused_formats())
+    for i, (n, k) in enumerate(SHAPES):
+        blocks = _blocks(name, n, k, seed=i)
+        dense = lin.linear_pack(quant.gguf_dequantize(blocks, code, k, 0, n, True))
+        fused = lin.gguf_fused_pack(blocks, code, n, k)
+        torch.manual_seed(i)
+        bias = torch.randn(n).to(torch.bfloat16)
+        for m in ROWS:
+            x = (torch.randn(m, k) * 3).to(torch.bfloat16)
+            for b in (None, bias):
+                want = lin.linear_small(x, dense, n, k, b)
+                got = lin.gguf_fused_linear(x, fused, code, n, k, b)
+                assert torch.equal(got, want), f"{name} N={n} K={k} M={m} bias={b is not None}: max diff {(got.float() - want.float()).abs().max()}"
+        # and it is the weight: against F.linear on the dense copy, to bf16 rounding
+        x = torch.randn(3, k).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), quant.gguf_dequantize(blocks, code, k, 0, n, True).float())
+        torch.testing.assert_close(lin.gguf_fused_linear(x, fused, code, n, k, None).float(), ref, rtol=1.6e-2, atol=1e-2 * ref.abs().amax().item())
+
+
+@pytest.mark.skipif(not NATIVE_HAS_IT, reason="the fused kernel needs the AVX512-BF16 build")
+def test_fused_rejects_bad_input():
+    lin = load_linear_kernels(NATIVE)
+    blocks = _blocks("Q4_1", 20, 64, seed=0)
+    fused = lin.gguf_fused_pack(blocks, 1, 20, 64)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        lin.gguf_fused_linear(torch.randn(2, 64), fused, 1, 20, 64, None)
+    with pytest.raises(RuntimeError, match="do not match"):
+        lin.gguf_fused_linear(torch.randn(2, 64).bfloat16(), fused, 1, 40, 64, None)
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1 or Q8_0"):
+        lin.gguf_fused_pack(blocks, 3, 20, 64)
+
+
+@pytest.mark.skipif(not (X86 and {"avx2", "fma"} <= set(NATIVE)), reason="needs an x86 CPU with AVX2+FMA")
+def test_avx2_build_does_not_offer_it():
+    """Narrowed to AVX2+FMA the dense streaming kernel widens pairs to fp32:
+    no fused kernel there, so deterministic mode keeps the dense copy."""
+    lin = load_linear_kernels(AVX2)
+    assert list(lin.gguf_fused_formats()) == []
+    blocks = _blocks("Q4_1", 20, 64, seed=0)
+    with pytest.raises(RuntimeError, match="no fused GGUF kernel"):
+        lin.gguf_fused_linear(torch.randn(1, 64).bfloat16(), lin.gguf_fused_pack(blocks, 1, 20, 64), 1, 20, 64, None)
+    assert SmallGemm(AVX2, invariant=True).fused_gguf_pack(blocks, 1, 20, 64) is None
+
+
+def test_only_deterministic_mode_takes_it():
+    small = SmallGemm(NATIVE)
+    assert small.fused_gguf_rows == 0 and small.fused_gguf_pack(_blocks("Q4_1", 20, 64, seed=0), 1, 20, 64) is None
+    assert SmallGemm(NATIVE, invariant=True).fused_gguf_rows == FUSED_GGUF_ROWS
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K"])
+def test_backend_splits_batches_between_fused_and_dense(name):
+    """Through the op table: few rows on the fused records, more on the dense
+    copy, and every row the same bits alone or in any batch (the split is at
+    FUSED_GGUF_ROWS rows); K-quants have no fused kernel."""
+    if bf16_gemm_missing(accelerator_isa(SelectionContext(accelerator=CPU))):
+        pytest.skip("this CPU cannot run oneDNN bf16 GEMMs: cpukernels leaves bf16 linear to the reference")
+    ops = op_table(SelectionContext(accelerator=CPU, dtype=torch.bfloat16, deterministic=True), "cpukernels")
+    n, k = 100, 512
+    blocks, _ = random_blocks(name, n, k)
+    block = 256 if name.endswith("_K") else 32
+    weight = ops.pack_linear(QuantizedWeight(format=f"gguf_{name.lower()}", qweight=blocks, scale=torch.empty(0), shape=(n, k), block_size=(1, block)))
+    assert weight.dense is not None
+    assert (weight.fused is not None) == (NATIVE_HAS_IT and name in FORMATS)
+    torch.manual_seed(0)
+    x = torch.randn(2 * FUSED_GGUF_ROWS + 3, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    whole = ops.linear(x, weight, bias)
+    for i in range(x.shape[0]):
+        assert torch.equal(ops.linear(x[i : i + 1], weight, bias), whole[i : i + 1]), f"row {i}"
+    small = ops.linear(x[:FUSED_GGUF_ROWS], weight, bias)
+    assert torch.equal(small, whole[:FUSED_GGUF_ROWS])
+    if weight.fused is not None:  # which path ran: zeroed records give the bias alone, to few rows only
+        weight.fused = torch.zeros_like(weight.fused)
+        assert torch.equal(ops.linear(x[:FUSED_GGUF_ROWS], weight, bias), bias.expand(FUSED_GGUF_ROWS, n))
+        assert torch.equal(ops.linear(x, weight, bias), whole)
