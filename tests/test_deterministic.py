@@ -63,9 +63,12 @@ class LogitsRecorder:
         return [self.rows[(tuple(prompt), len(prompt) - 1 + k)] for k in range(NEW_TOKENS)]
 
 
-def run(llm: LLM, targets: list[list[int]], others: list[tuple[list[int], int]] = ()) -> tuple[list[list[int]], LogitsRecorder]:
-    """The targets' greedy tokens, submitted at once with ``others`` (prompt,
-    max tokens) interleaved among them, and their logits."""
+def run(
+    llm: LLM, targets: list[list[int]], others: list[tuple[list[int], int]] = (), *, seeded: bool = False
+) -> tuple[list[list[int]], LogitsRecorder]:
+    """The targets' greedy tokens (``seeded``: sampled at temperature 1 with
+    top_p 0.9, each target's own seed), submitted at once with ``others``
+    (prompt, max tokens) interleaved among them, and their logits."""
     rec = LogitsRecorder(llm, targets)
     prompts: list[list[int]] = []
     params: list[SamplingParams] = []
@@ -76,7 +79,11 @@ def run(llm: LLM, targets: list[list[int]], others: list[tuple[list[int], int]] 
         if is_target:
             where.append(len(prompts))
         prompts.append(p)
-        params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        if is_target and seeded:
+            # the seed is the prompt's own (its length: the targets' differ), alone or among others
+            params.append(SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, seed=1000 + len(p), ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     outs = llm.generate(prompts, params)
     by_prompt = {tuple(prompts[i]): list(outs[i].outputs[0].token_ids) for i in where}
     return [by_prompt[tuple(t)] for t in targets], rec
@@ -211,3 +218,119 @@ def test_speculative_decoding_equals_plain_decoding(model, method):
     assert_same(model["reference"], got, model["targets"], f"{model['name']}: {method} speculation")
     # verification ran (every position's logits from a several-token forward), whether or not a proposal passed
     assert stats["spec_proposed_tokens"] > 0
+
+
+def test_preemption_and_seeded_sampling_change_nothing(model):
+    """Too few pages for the workload (sequences preempted and recomputed),
+    greedy and then seeded sampling: each target's tokens and logits are
+    those it gets alone."""
+    with LLM(model["path"], deterministic=True, page_size=7, num_pages=40, max_num_batched_tokens=64, **model["engine"]) as llm:
+        greedy = run(llm, model["targets"], model["others"])
+        assert llm.engine.stats()["preemptions"] > 0  # 40 pages of 7 cannot hold the 19 sequences at once
+        assert_same(model["reference"], greedy, model["targets"], f"{model['name']}: preempted")
+        seeded = run(llm, model["targets"], model["others"], seeded=True)
+    alone = [run(model["llm"], [t], seeded=True) for t in model["targets"]]
+    for _, rec in alone[1:]:
+        alone[0][1].rows.update(rec.rows)
+    reference = ([tokens[0] for tokens, _ in alone], alone[0][1])
+    assert reference[0] != model["reference"][0]  # sampling, not greedy
+    assert_same(reference, seeded, model["targets"], f"{model['name']}: seeded sampling among others, preempted")
+
+
+@pytest.mark.slow
+def test_served_with_the_flag_over_http(tiny_root):
+    """``platform serve --deterministic`` on the bf16 folder: /version says
+    the mode, and the official openai client gets each prompt's greedy
+    text (and token logprobs) alone equal to what it gets among 16
+    concurrent others."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import httpx
+    import openai
+    from server_fixtures import wait_until_healthy
+
+    path = smol_shaped_bf16_folder(tiny_root)
+    targets, others = workload(VOCAB, 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [str(Path(sys.executable).with_name("platform")), "serve", path, "--port", str(port), "--deterministic"]
+    cmd += ["--dtype", "bfloat16", "--max-model-len", "1024", "--kv-cache-memory", "0.5", "--max-num-batched-tokens", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until_healthy(proc, url, timeout=240)
+        assert httpx.get(url + "/version").json()["engine"]["deterministic"] is True
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def complete(prompt: list[int], n: int = NEW_TOKENS) -> tuple[str, list[float]]:
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+            return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs)
+
+        alone = [complete(t) for t in targets]
+        work = [(t, NEW_TOKENS) for t in targets] + others
+        with ThreadPoolExecutor(len(work)) as pool:
+            together = list(pool.map(lambda w: complete(*w), work))[: len(targets)]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert all(len(lp) == NEW_TOKENS for _, lp in alone)
+    assert together == alone
+
+
+def tiny_moe_folder(root: str) -> str:
+    """The tiny Qwen3-MoE folder of the llama plugin's tests, with the tiny tokenizer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/models/llama/tests"))
+    from tiny_moe import saved_model
+
+    path = saved_model("qwen3moe", root)
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        write_tokenizer(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(dict(tp=3), id="tp3"),  # the bf16 folder: 9 heads, 3 KV heads
+        pytest.param(dict(ep=2, a2a="nccl"), id="ep2"),  # the tiny MoE: experts over 2 ranks (dp 2)
+        pytest.param(dict(dp=2), id="dp2"),  # the tiny MoE: two schedulers
+    ],
+)
+def test_parallel_alone_equals_among_16_concurrent_others(tiny_root, layout):
+    """Across ranks (over gloo), each target's greedy tokens and their
+    logprobs alone equal those among 16 others, in steps of 32 tokens
+    (chunked prefills beside decodes). Without the mode, tp2, ep2 and dp2
+    each gave all three targets other tokens or logprobs (measured once)."""
+    if "tp" in layout:
+        path, (targets, others) = smol_shaped_bf16_folder(tiny_root), workload(VOCAB, 0)
+    else:
+        path, (targets, others) = tiny_moe_folder(tiny_root), workload(250, 3)
+
+    def generate(llm: LLM, work: list[tuple[list[int], int]]) -> list[tuple[list[int], list[float]]]:
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0) for _, n in work]
+        outs = llm.generate([p for p, _ in work], params)
+        return [(list(o.outputs[0].token_ids), [lp.logprob for lp in o.outputs[0].logprobs or []]) for o in outs]
+
+    with LLM(path, deterministic=True, page_size=16, max_num_batched_tokens=32, **dict(BASE, backend="auto"), **layout) as llm:
+        alone = [generate(llm, [(t, NEW_TOKENS)])[0] for t in targets]
+        work = [(t, NEW_TOKENS) for t in targets] + others
+        random.Random(7).shuffle(work)
+        together = generate(llm, work)
+    by_prompt = {tuple(p): r for (p, _), r in zip(work, together)}
+    for t, want in zip(targets, alone):
+        assert len(want[1]) == NEW_TOKENS
+        assert by_prompt[tuple(t)] == want

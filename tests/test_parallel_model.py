@@ -135,3 +135,17 @@ def test_parallel_matches_one_process(root, name, tp, dp, ep):
         assert tokens == [want_tokens[i] for i in mine], f"dp {dp_rank} tp {tp_rank}: greedy tokens differ"
         worst = max(float(np.abs(lg - want_logits[i]).max()) for lg, i in zip(logits, mine))
         assert worst < 1e-4, f"dp {dp_rank} tp {tp_rank}: max |logit diff| {worst:.3g}"
+
+
+def test_local_experts_refuses_what_ep_cannot_split():
+    """The split every MoE loader takes (llama's and deepseek's): uneven
+    shares, and a clear ConfigError, not a failed load, for ep > 1 without
+    an a2a plugin or with more ranks than experts."""
+    from plinth.api import ConfigError, local_experts
+
+    assert [local_experts(6, r, 4, has_a2a=True) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
+    assert local_experts(6, 0, 1, has_a2a=False) == range(0, 6)
+    with pytest.raises(ConfigError, match="needs an a2a plugin"):
+        local_experts(6, 0, 2, has_a2a=False)
+    with pytest.raises(ConfigError, match="ep=8 is more than the model's 6 routed experts"):
+        local_experts(6, 7, 8, has_a2a=True)

@@ -4,6 +4,7 @@ public names, never from core internals; anything not listed here may change
 without notice."""
 
 from plinth.checkpoint import CheckpointLoader
+from plinth.collectives import all_reduce_sum
 from plinth.contract import (
     BASE_OPS,
     FUSED_OPS,
@@ -67,7 +68,7 @@ from plinth.contract import (
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
-from plinth.moe import routed_experts, tp_token_slice
+from plinth.moe import local_experts, routed_experts, tp_token_slice
 from plinth.parsing import (
     INVALID,
     JsonCallView,
@@ -135,6 +136,8 @@ __all__ = [
     "SiluAndMulOp",
     "DispatchedTokens",
     "expert_ranges",
+    "local_experts",
+    "all_reduce_sum",
     "routed_experts",
     "tp_token_slice",
     "DraftRunner",

@@ -16,6 +16,22 @@ if TYPE_CHECKING:
     from plinth.contract.a2a import AllToAll
 
 
+def local_experts(num_experts: int, ep_rank: int, ep_size: int, *, has_a2a: bool) -> range:
+    """The routed experts ep rank ``ep_rank`` keeps (all of them at ep = 1),
+    split as ``expert_ranges`` says; a ``ConfigError`` where ep cannot work:
+    ep > 1 without an a2a plugin to move the tokens, or more ranks than
+    experts (a rank would own none)."""
+    from plinth.contract.a2a import expert_ranges
+    from plinth.errors import ConfigError
+
+    if ep_size > 1 and num_experts:
+        if not has_a2a:
+            raise ConfigError("ep > 1 needs an a2a plugin (--a2a) to move tokens between the ranks' experts")
+        if ep_size > num_experts:
+            raise ConfigError(f"ep={ep_size} is more than the model's {num_experts} routed experts: a rank would own none")
+    return expert_ranges(num_experts, ep_size)[ep_rank] if num_experts else range(0)
+
+
 def tp_token_slice(num_tokens: int, tp_rank: int, tp_size: int) -> slice:
     """The tokens tp rank ``tp_rank`` dispatches to the experts when ep > 1:
     the tp ranks of a group hold the same tokens, so each sends 1/tp of them

@@ -83,6 +83,17 @@ class LoadContext:
     #: weights stored quantized (GGUF blocks) are dequantized at load to
     #: ``dtype`` even where the backend runs their format (``--dequantize``)
     dequantize: bool = False
+    #: deterministic serving (``--deterministic``): ``tp_all_reduce`` sums in
+    #: one order whatever the batch (the ops are batch-invariant already)
+    deterministic: bool = False
+
+    def tp_all_reduce(self, x: "torch.Tensor") -> "torch.Tensor":
+        """Sum a row-parallel projection's partial result over the tp group,
+        in place (nothing at tp = 1): what every tp model calls, so that
+        deterministic mode's fixed order (``plinth.collectives``) holds."""
+        from plinth.collectives import all_reduce_sum
+
+        return all_reduce_sum(x, self.tp_group if self.tp_size > 1 else None, fixed_order=self.deterministic)
 
 
 class CausalLM:

@@ -481,7 +481,8 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
 
     tokenizer = loader.load_tokenizer(source) if first else None
     load_ctx = LoadContext(
-        device=device, dtype=dtype, ops=ops, progress=config.load_progress and first, dequantize=config.dequantize, **parallel
+        device=device, dtype=dtype, ops=ops, progress=config.load_progress and first, dequantize=config.dequantize,
+        deterministic=config.deterministic, **parallel,
     )
     model = loader.load_model(source, model_cfg, load_ctx)
     peak = 0

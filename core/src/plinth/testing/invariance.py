@@ -10,6 +10,9 @@ positions, and lists every batch where the probe's output is not
 ``torch.equal`` to the lone result. ``fn`` takes the row-aligned tensors of a
 batch (each [M, ...]) and returns a tensor or a tuple of tensors [M, ...].
 
+``rowwise_invariance_problems(ops, op, dtype)`` does it for each of ``ROWWISE_OPS``
+(rms_norm, silu_and_mul, rotary) on seeded rows.
+
 ``attention_invariance_problems(ops, dtype, device)`` computes one sequence's
 attention every way below, at every page size given:
 
@@ -72,6 +75,57 @@ def batch_invariance_problems(
                         diff = (a[0].float() - b[position].float()).abs().max().item()
                         problems.append(f"output {k} of row {probe} at position {position} of {size}: max abs diff {diff:.3g}")
     return problems
+
+
+
+#: the row-wise ops every backend's deterministic table must keep batch-invariant
+ROWWISE_OPS = ("rms_norm", "rms_norm_residual", "rms_norm_qk_heads", "silu_and_mul", "rotary_neox", "rotary_gptj", "rotary_qk_heads")
+
+
+def rowwise_invariance_problems(ops: Any, op: str, dtype: Any, *, hidden: int = 576, pool: int = 64) -> list[str]:
+    """``batch_invariance_problems`` for one of ``ROWWISE_OPS`` of an op
+    table (``ops.rms_norm`` and so on), on seeded random rows of ``dtype``:
+    rms_norm over ``hidden`` (with and without the fused residual; and per
+    head on q split from a fused qkv row, a view strided only for more than
+    one token), silu_and_mul over 2 x 1536, rotary on 9 query and 3 key
+    heads of 64 (separate tensors, and views of a fused qkv row)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(ROWWISE_OPS.index(op))
+
+    def randn(*shape: int) -> Any:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    if op in ("rms_norm", "rms_norm_residual"):
+        weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+        if op == "rms_norm":
+            return batch_invariance_problems(lambda x: ops.rms_norm(x, weight, 1e-5), [randn(pool, hidden)])
+        return batch_invariance_problems(lambda x, r: ops.rms_norm(x, weight, 1e-5, r), [randn(pool, hidden), randn(pool, hidden)])
+    if op == "rms_norm_qk_heads":
+        # Qwen3's q norm: per head, on q split from a fused qkv row (a view that is
+        # contiguous for one token and strided for more)
+        weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+        return batch_invariance_problems(
+            lambda qkv: ops.rms_norm(qkv[:, : 4 * 64].view(-1, 4, 64), weight, 1e-6), [randn(pool, (4 + 2 * 2) * 64)]
+        )
+    if op == "silu_and_mul":
+        return batch_invariance_problems(ops.silu_and_mul, [randn(pool, 2 * 1536)])
+    if op in ("rotary_neox", "rotary_gptj", "rotary_qk_heads"):
+        d = 64
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        angles = torch.arange(256).float()[:, None] * inv[None]
+        cos_sin = torch.cat((angles.cos(), angles.sin()), -1)
+        is_neox = op != "rotary_gptj"
+        positions = torch.randint(0, 256, (pool,), generator=gen)
+        if op == "rotary_qk_heads":  # q and k split from a fused qkv row, as models call it
+            return batch_invariance_problems(
+                lambda qkv, p: ops.rotary(qkv[:, : 9 * d].view(-1, 9, d), qkv[:, 9 * d : 12 * d].view(-1, 3, d), p, cos_sin, is_neox),
+                [randn(pool, 15 * d), positions],
+            )
+        return batch_invariance_problems(
+            lambda q, k, p: ops.rotary(q, k, p, cos_sin, is_neox), [randn(pool, 9, d), randn(pool, 3, d), positions]
+        )
+    raise ValueError(f"{op!r} is not one of {ROWWISE_OPS}")
 
 
 

@@ -6,10 +6,12 @@ serves every op a backend declines in this mode."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from plinth.api import QuantizedWeight, SelectionContext
-from plinth.testing.invariance import batch_invariance_problems
+from plinth.testing.invariance import ROWWISE_OPS, batch_invariance_problems, rowwise_invariance_problems
 from plinth_plugin_torch.backend import TorchBackend
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -50,35 +52,13 @@ def test_quantized_linear(dtype, fmt):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden", [576, 4096])  # 4096: a batch of 16 leaves the small-input route
-def test_rms_norm(dtype, hidden):
-    ops = _ops(dtype)
-    torch.manual_seed(2)
-    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
-    x, residual = torch.randn(POOL, hidden).to(dtype), torch.randn(POOL, hidden).to(dtype)
-    _assert_invariant(lambda x: ops["rms_norm"](x, weight, 1e-5), x)
-    _assert_invariant(lambda x, r: ops["rms_norm"](x, weight, 1e-5, r), x, residual)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_silu_and_mul(dtype):
-    ops = _ops(dtype)
-    torch.manual_seed(3)
-    _assert_invariant(ops["silu_and_mul"], torch.randn(POOL, 2 * 1536).to(dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("is_neox", [True, False])
-def test_rotary(dtype, is_neox):
-    ops = _ops(dtype)
-    torch.manual_seed(4)
-    d = 64
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    angles = torch.arange(256).float()[:, None] * inv[None]
-    cos_sin = torch.cat((angles.cos(), angles.sin()), -1)
-    q, k = torch.randn(POOL, 9, d).to(dtype), torch.randn(POOL, 3, d).to(dtype)
-    positions = torch.randint(0, 256, (POOL,))
-    _assert_invariant(lambda q, k, p: ops["rotary"](q, k, p, cos_sin, is_neox), q, k, positions)
+@pytest.mark.parametrize("op", ROWWISE_OPS)
+def test_rowwise_op(dtype, op):
+    ops = SimpleNamespace(**_ops(dtype))
+    # 4096: a batch of 16 leaves rms_norm's small-input route
+    for hidden in (576, 4096) if op.startswith("rms_norm") else (576,):
+        problems = rowwise_invariance_problems(ops, op, dtype, hidden=hidden, pool=POOL)
+        assert not problems, f"{op} (hidden {hidden}): {len(problems)} batches differ: " + "; ".join(problems[:6])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

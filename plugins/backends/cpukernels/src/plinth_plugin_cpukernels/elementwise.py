@@ -1,7 +1,12 @@
 """rms_norm (with the residual add fused), silu_and_mul and rotary as single
 C++ kernels: each replaces 2-8 torch ops, and a decode step runs them ~120
-times. Inputs they do not cover (strided rows, other dtypes, flat rotary
-inputs, non-float32 rotary tables) go to the reference's ops."""
+times. Inputs they do not cover (other dtypes, flat rotary inputs,
+non-float32 rotary tables) go to the reference's ops. Strided inputs are
+made contiguous for the kernels rather than handed to the reference: a
+view such as a q split from a fused qkv projection is contiguous for one
+token and strided for more, so choosing the path by it would compute a
+decode row (one token) and the same row in a batch with different code
+(and different bits under ``--deterministic``)."""
 
 from __future__ import annotations
 
@@ -16,20 +21,17 @@ def make_elementwise_ops(kernels: Any, reference: Mapping[str, Callable[..., Any
     ref_rms, ref_silu, ref_rotary = reference["rms_norm"], reference["silu_and_mul"], reference["rotary"]
 
     def rms_norm(x, weight, eps, residual=None):
-        if (
-            x.dtype not in dtypes
-            or not x.is_contiguous()
-            or (residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()))
-            or weight is None
-        ):
+        if x.dtype not in dtypes or (residual is not None and residual.dtype != x.dtype) or weight is None:
             return ref_rms(x, weight, eps, residual)
-        out = k_rms(x, weight, float(eps), residual)
+        if residual is not None and not residual.is_contiguous():
+            residual = residual.contiguous()
+        out = k_rms(x.contiguous(), weight, float(eps), residual)
         return out[0] if residual is None else (out[0], out[1])
 
     def silu_and_mul(x):
-        if x.dtype not in dtypes or not x.is_contiguous():
+        if x.dtype not in dtypes:
             return ref_silu(x)
-        return k_silu(x)
+        return k_silu(x.contiguous())
 
     def rotary(q, k, positions, cos_sin, is_neox):
         if (

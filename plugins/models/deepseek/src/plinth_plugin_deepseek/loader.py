@@ -16,8 +16,8 @@ from plinth.api import (
     LoadContext,
     ModelConfig,
     ModelSource,
-    expert_ranges,
     iter_safetensors,
+    local_experts,
 )
 
 from plinth_plugin_deepseek.model import DeepseekArch, DeepseekLayer, DeepseekRouter, DeepseekV3ForCausalLM
@@ -211,13 +211,11 @@ class DeepseekLoader(CheckpointLoader):
 
     def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> DeepseekV3ForCausalLM:
         cfg = dict(config.raw) if config.raw else self.hf_config(source)
-        if ctx.ep_size > 1 and cfg.get("n_routed_experts") and ctx.a2a is None:
-            raise ConfigError("ep > 1 needs an a2a plugin (--a2a) to move tokens between the ranks' experts")
         if cfg["num_attention_heads"] % ctx.tp_size:
             raise ConfigError(f"tp={ctx.tp_size} does not divide the {cfg['num_attention_heads']} attention heads")
         block = fp8_block_size(cfg)
         arch = DeepseekArch.from_hf(cfg)
-        mine = local_experts(arch, ctx)
+        mine = rank_experts(arch, ctx)  # refuses an ep the experts cannot split over
         top: dict[str, torch.Tensor] = {}
         per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(arch.num_layers)]
         for name, tensor in _dequantized(iter_safetensors(source.path, dtype=None, progress=ctx.progress), block):
@@ -235,9 +233,9 @@ class DeepseekLoader(CheckpointLoader):
         return build_model(arch, top, per_layer, ctx)
 
 
-def local_experts(arch: DeepseekArch, ctx: LoadContext) -> range:
+def rank_experts(arch: DeepseekArch, ctx: LoadContext) -> range:
     """The routed experts this ep rank keeps (all of them at ep = 1)."""
-    return expert_ranges(arch.n_routed_experts, ctx.ep_size)[ctx.ep_rank]
+    return local_experts(arch.n_routed_experts, ctx.ep_rank, ctx.ep_size, has_a2a=ctx.a2a is not None)
 
 
 def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: list[dict[str, torch.Tensor]], ctx: LoadContext) -> DeepseekV3ForCausalLM:
@@ -287,7 +285,7 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
         layer.w_uk, layer.w_uv = w_uk.contiguous(), w_uv.contiguous()  # [heads, dn, L], [heads, dv, L]
         layer.o_proj = linear(need(d, "o_proj", where)[:, mine.start * dv : mine.stop * dv])
         if arch.is_moe(i):
-            _build_moe(arch, layer, d, where, put, need, linear, split, local_experts(arch, ctx), whole=ctx.ep_size > 1)
+            _build_moe(arch, layer, d, where, put, need, linear, split, rank_experts(arch, ctx), whole=ctx.ep_size > 1)
         else:
             cut = split(arch.intermediate_size)
             layer.gate_up = linear(torch.cat((need(d, "gate", where)[cut], need(d, "up", where)[cut])))
@@ -315,6 +313,7 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
         tp_rank=tp_rank,
         tp_size=tp,
         a2a=ctx.a2a if ctx.ep_size > 1 else None,
+        fixed_order=ctx.deterministic,
     )
 
 

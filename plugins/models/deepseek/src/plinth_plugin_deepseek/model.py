@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed
-from plinth.api import AllToAll, AttentionMetadata, routed_experts, weights_nbytes
+from plinth.api import AllToAll, AttentionMetadata, all_reduce_sum, routed_experts, weights_nbytes
 
 from plinth_plugin_deepseek import mla
 from plinth_plugin_deepseek.mla import MLALatentSpec
@@ -142,12 +142,15 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
 
     def __init__(self, arch: DeepseekArch, ops: Any, *, cos_sin: torch.Tensor, scale: float, embed: torch.Tensor,
                  norm: torch.Tensor, lm_head: Any, layers: Sequence[DeepseekLayer], num_heads: int | None = None,
-                 tp_group: Any = None, tp_rank: int = 0, tp_size: int = 1, a2a: AllToAll | None = None) -> None:
+                 tp_group: Any = None, tp_rank: int = 0, tp_size: int = 1, a2a: AllToAll | None = None,
+                 fixed_order: bool = False) -> None:
         super().__init__()
         self.arch, self.ops = arch, ops
         #: this rank's heads; with tp > 1 the o and down projections give partial sums, all-reduced over tp_group
         self.num_heads = num_heads or arch.num_heads
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        #: deterministic serving: the tp sum in rank order (``plinth.api.all_reduce_sum``)
+        self.fixed_order = fixed_order
         #: with ep > 1 the routed experts' tokens go through this plugin (w13 / w2 hold this rank's experts)
         self.a2a = a2a
         self.cos_sin, self.scale = cos_sin, scale
@@ -210,9 +213,7 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
         return hidden
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_group is not None:
-            torch.distributed.all_reduce(x, group=self.tp_group)
-        return x
+        return all_reduce_sum(x, self.tp_group, fixed_order=self.fixed_order)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head).float()

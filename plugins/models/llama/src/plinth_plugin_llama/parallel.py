@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from plinth.api import ConfigError, LoadContext, expert_ranges
+from plinth.api import ConfigError, LoadContext, all_reduce_sum, local_experts
 
 
 @dataclass
@@ -35,17 +35,17 @@ class Parallel:
     ep_size: int = 1
     ep_group: Any = None
     a2a: Any = None
+    #: deterministic serving: the tp sum in rank order (``plinth.api.all_reduce_sum``)
+    fixed_order: bool = False
 
     @classmethod
     def from_ctx(cls, ctx: LoadContext) -> "Parallel":
-        return cls(ctx.tp_rank, ctx.tp_size, ctx.tp_group, ctx.ep_rank, ctx.ep_size, ctx.ep_group, ctx.a2a)
+        return cls(ctx.tp_rank, ctx.tp_size, ctx.tp_group, ctx.ep_rank, ctx.ep_size, ctx.ep_group, ctx.a2a, ctx.deterministic)
 
     # ---- collectives ------------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(x, group=self.tp_group)
-        return x
+        return all_reduce_sum(x, self.tp_group if self.tp_size > 1 else None, fixed_order=self.fixed_order)
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every tp rank's x along the last dimension."""
@@ -63,9 +63,7 @@ class Parallel:
             raise ConfigError(f"tp={tp} does not divide the {num_heads} attention heads")
         if num_kv_heads % tp and tp % num_kv_heads:
             raise ConfigError(f"tp={tp} and the {num_kv_heads} KV heads: one must divide the other")
-        if num_experts and self.ep_size > 1:
-            if self.a2a is None:
-                raise ConfigError("ep > 1 needs an a2a plugin to move tokens between ranks")
+        self.local_experts(num_experts)  # refuses an ep the experts cannot split over
 
     def heads(self, num_heads: int) -> range:
         per = num_heads // self.tp_size
@@ -92,7 +90,7 @@ class Parallel:
 
     def local_experts(self, num_experts: int) -> range:
         """This ep rank's experts (uneven splits as ``expert_ranges`` says)."""
-        return expert_ranges(num_experts, self.ep_size)[self.ep_rank]
+        return local_experts(num_experts, self.ep_rank, self.ep_size, has_a2a=self.a2a is not None)
 
 
 def head_rows(weight: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
