@@ -229,8 +229,9 @@ def test_greedy_text_matches_llama_cpp(gguf_path):
     copy) within two layers, and greedy text parts where llama.cpp's own
     top-2 margin is small: 'The capital of France is' at token 11 (margin
     0.072), 'Once upon a time' at 4 (0.149). Over 20 prompts, 12 gave equal
-    text (14 before the kernels followed llama.cpp's rounding: noise of the
-    same kind, not a trend). Equality would take ggml's every float
+    text; 14 before this change, with Q5_0 dequantized to float and plinth's
+    own activation rounding, which happened to give these 3 equal: noise of
+    the same kind, not a trend. Equality would take ggml's every float
     operation in its order. The failure message gives the position and margin."""
     _need_llama_cpp()
     import numpy as np
