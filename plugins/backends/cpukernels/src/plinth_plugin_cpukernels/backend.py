@@ -140,9 +140,9 @@ class CPUKernelsBackend(Backend):
         # the decode kernel reads the reference's KV layout and hands it what
         # it does not handle; without the reference's attention ops, none
         if all(op in self.reference for op in ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages")):
-            ops.update(make_attention_ops(kernels, self.reference, deterministic=self.ctx.deterministic))
+            ops.update(make_attention_ops(kernels, self.reference))
         if all(op in self.reference for op in ("rms_norm", "silu_and_mul", "rotary")):
             ops.update(make_elementwise_ops(kernels, self.reference))
         if "attention" in ops and "rotary" in ops:
-            ops.update(make_fused_ops(kernels, ops, deterministic=self.ctx.deterministic))
+            ops.update(make_fused_ops(kernels, ops))
         return ops

@@ -1,22 +1,20 @@
-"""The ``qkv_attention`` op: a decode step's whole attention block in one C++
+"""The ``qkv_attention`` op: a step's whole attention block in one C++
 call. From the fused q/k/v projection it rotates q and k, writes k and v into
 the pages and attends, where the separate ops take a split, two rotary
 kernels, two page writes, a layout copy and the attention kernel (each a
-trip through the dispatcher and an OpenMP fork, ~30 times a step). Batches
-with prefill chunks, and inputs the kernel does not cover, run this backend's
-own ``rotary`` and ``attention``, so both paths give the same numbers. Every
-step the attention kernel takes (attention.py: short queries, and every step
-in deterministic mode) takes this one too, so in that mode a model's K/V and
-outputs always come from the same instructions."""
+trip through the dispatcher and an OpenMP fork, ~30 times a step). Inputs
+the kernel does not cover run this backend's own ``rotary`` and
+``attention``, so both paths give the same numbers: a model's K/V and
+outputs always come from the same instructions, whatever the step holds."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from plinth_plugin_cpukernels.attention import kernel_step, kernel_takes
+from plinth_plugin_cpukernels.attention import kernel_takes
 
 
-def make_fused_ops(kernels: Any, table: Mapping[str, Callable[..., Any]], *, deterministic: bool = False) -> dict[str, Callable[..., Any]]:
+def make_fused_ops(kernels: Any, table: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
     import torch
 
     kernel = kernels.paged_qkv_attention
@@ -25,8 +23,7 @@ def make_fused_ops(kernels: Any, table: Mapping[str, Callable[..., Any]], *, det
     def qkv_attention(qkv, positions, cos_sin, is_neox, kv_cache, meta, *, num_heads, num_kv_heads, head_dim, scale, sliding_window=None):
         k_pages, v_pages = kv_cache
         if (
-            kernel_step(meta, deterministic)
-            and kernel_takes(qkv.dtype, head_dim, head_dim, k_pages.dtype)
+            kernel_takes(qkv.dtype, head_dim, head_dim, k_pages.dtype)
             and qkv.stride(-1) == 1
             and v_pages is not None
             and v_pages.dtype == qkv.dtype
