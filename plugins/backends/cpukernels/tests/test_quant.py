@@ -6,8 +6,9 @@ Tolerances:
 * dequantization is exact (bit for bit against the ``gguf`` package's numpy
   dequantizer);
 * the integer kernel against the same arithmetic done in float64 on the
-  activations quantized as the kernel does (int8 per block of 32, or 256 for
-  K-quants, scale amax / 127): 1e-4 of the largest output. This checks the
+  activations quantized as the kernel does, by llama.cpp's rules (int8 per
+  block of 32 with a float16 scale, or per 256 for K-quants with
+  d = 1 / (-127 / max)): 1e-4 of the largest output. This checks the
   integer dot products and offsets exactly, up to float rounding;
 * against plain ``x @ dequantized.T``: 2e-2 of the largest output, the error
   8-bit activation quantization brings (half a step, amax / 254, per value;
@@ -66,12 +67,12 @@ def _f16_bytes(a: np.ndarray) -> np.ndarray:
 
 def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks uint8 [n, row bytes], the same dequantized by gguf, float32 [n, k]).
-    Q4_0/Q4_1/Q8_0 by gguf's quantizer; K-quants (gguf has no quantizer for
+    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 by gguf's quantizer; K-quants (gguf has no quantizer for
     them) as random bytes with sane scales: every byte pattern is a valid block."""
     rng = np.random.default_rng(seed)
     qtype = getattr(GGMLQuantizationType, name)
     _, block, nbytes = GGUF_FORMATS[name]
-    if name in ("Q4_0", "Q4_1", "Q8_0"):
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         q = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     else:
         q = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
@@ -86,12 +87,44 @@ def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tenso
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x as the kernel sees it: int8 per block, scale amax / 127 (float64 out)."""
+    """x as the kernel sees it, by llama.cpp's rules (float64 out). Blocks of
+    32 (quantize_row_q8_0): d = amax / 127 rounded to float16, q = round(x *
+    (127 / amax)). Blocks of 256 (quantize_row_q8_K_ref): max the signed value
+    of largest magnitude, iscale = -127 / max, q = round(iscale * x), d = 1 / iscale.
+    (Divisions by a tensor: torch computes ``scalar / t`` as a reciprocal times
+    the scalar, which rounds differently.)"""
     m, k = x.shape
     xb = x.float().reshape(m, k // block, block)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    amax, at = xb.abs().max(-1, keepdim=True)
+    if block == 32:
+        d = (amax / 127).half().float()
+        q = torch.round(xb * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax)))
+    else:
+        top = torch.gather(xb, -1, at)
+        iscale = torch.where(amax > 0, torch.full_like(top, -127.0) / top, torch.zeros_like(top))
+        q = torch.round(xb * iscale).clamp(max=127)
+        d = torch.where(amax > 0, torch.ones_like(iscale) / iscale, torch.zeros_like(iscale))
     return (q * d).reshape(m, k).double()
+
+
+def q8_1_minimum_term(x: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
+    """Q4_1/Q5_1: what llama.cpp's q8_1 changes in the minimum's term
+    (m times the activation block's d * sum, float16-rounded from the
+    unrounded d) against ``quantized_activations`` (float16 d times the sum),
+    [M, N] float64; zeros for the other formats."""
+    m, k = x.shape
+    n = blocks.shape[0]
+    if name not in ("Q4_1", "Q5_1"):
+        return torch.zeros(m, n, dtype=torch.float64)
+    nbytes = GGUF_FORMATS[name][2]
+    mins = torch.from_numpy(blocks.numpy().reshape(n, k // 32, nbytes)[..., 2:4].copy().view(np.float16)[..., 0]).double()
+    xb = x.float().reshape(m, k // 32, 32)
+    amax = xb.abs().amax(-1)
+    q = torch.round(xb * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))[..., None])
+    d32 = amax / 127
+    sums = q.sum(-1)
+    s_f16 = (d32 * sums).half().double()
+    return (s_f16 - d32.half().double() * sums.double()) @ mins.t()
 
 
 def _k(name: str) -> int:
@@ -117,7 +150,7 @@ def test_integer_kernel(kernels, name, m, invariant):
     blocks, dense = random_blocks(name, N, K, seed=m)
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
     y = k.gguf_linear(x, blocks, code, invariant)
-    exact = quantized_activations(x, 256 if block == 256 else 32) @ dense.double().t()
+    exact = quantized_activations(x, 256 if block == 256 else 32) @ dense.double().t() + q8_1_minimum_term(x, blocks, name)
     scale = exact.abs().max().item()
     assert (y.double() - exact).abs().max().item() <= 1e-4 * scale
     plain = x.double() @ dense.double().t()
@@ -182,7 +215,7 @@ def test_the_backend_keeps_gguf_weights_in_blocks():
     ops = backend.ops()
     formats, path = CPUKernelsBackend.capabilities(ctx).gguf_formats, CPUKernelsBackend.capabilities(ctx).gguf_path
     assert "gguf_formats" not in ops
-    assert set(formats) >= {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert set(formats) >= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     assert gguf_kernel_path(accelerator.info().isa) in path
     blocks, dense = random_blocks("Q8_0", 40, 96)
     packed = ops["pack_linear"](QuantizedWeight(format="gguf_q8_0", qweight=blocks, scale=torch.empty(0), shape=(40, 96), block_size=(1, 32)))

@@ -36,6 +36,8 @@ GGUF_FORMATS = {
     "Q4_K": (3, 256, 144),
     "Q5_K": (4, 256, 176),
     "Q6_K": (5, 256, 210),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
 }
 #: activation rows from which linear dequantizes a tile and runs a GEMM
 GEMM_MIN_ROWS = 12

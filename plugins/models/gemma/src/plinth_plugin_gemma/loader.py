@@ -66,7 +66,8 @@ _GGUF_LAYER = {
     "ffn_down.weight": "down",
 }
 _GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-#: per layer, the GGUF weights fused into one linear: kept in blocks only together, of one type
+#: per layer, the GGUF weights fused into one linear: kept in blocks only together (of one type:
+#: fused; of several, as llama.cpp's Q4_K_M mixes them in attn_q/k/v: one linear each, see _fuse)
 _GGUF_LINEARS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 _NORMS = ("input_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
 _EMBEDDING, _OUTPUT = "token_embd.weight", "output.weight"
@@ -170,7 +171,7 @@ def _gguf_tensors(gguf: GGUFFile, ctx: LoadContext, num_layers: int) -> Iterator
         for i in range(num_layers):
             for group in _GGUF_LINEARS:
                 group_names = [f"blk.{i}.{part}.weight" for part in group]
-                if all(runnable(n) for n in group_names) and len({gguf.tensor_type(n) for n in group_names}) == 1:
+                if all(runnable(n) for n in group_names):
                     kept.update(group_names)
         head = _OUTPUT if gguf.has_tensor(_OUTPUT) else _EMBEDDING
         if runnable(head):
@@ -180,13 +181,23 @@ def _gguf_tensors(gguf: GGUFFile, ctx: LoadContext, num_layers: int) -> Iterator
         why = (
             f"{len(kept)} linear weights kept in their blocks ({', '.join(f'{c} {t}' for t, c in sorted(types.items()))}), "
             f"the backend's {path}; embedding dequantized to {dtype}"
-            + (f"; dequantized: {', '.join(f'{c} {t}' for t, c in sorted(rest.items()))} (a type it does not run, or fused with one)" if rest else "")
+            + (f"; dequantized: {', '.join(f'{c} {t}' for t, c in sorted(rest.items()))} (a type it does not run, or grouped with one)" if rest else "")
         )
     log.info("GGUF weights: %s", why)
     skip = kept - {_EMBEDDING}
     yield from gguf.iter_tensors(dtype=ctx.dtype, progress=ctx.progress, select=lambda n: n not in skip)
     for name in sorted(kept):
         yield (_OUTPUT if name == _EMBEDDING else name), gguf.quantized_weight(name)
+
+
+def _fuse(parts: tuple[Any, ...], pack: Any) -> Any:
+    """One packed linear of the parts stacked along their output rows, or,
+    where GGUF parts differ in type (gemma-3-270m's Q4_K_M file: Q5_0 q/k
+    beside a Q8_0 v), a tuple of one packed linear per part, each kept in
+    its own blocks (the model runs them one by one)."""
+    if len({getattr(p, "format", None) for p in parts}) > 1 and all(isinstance(p, QuantizedWeight) for p in parts):
+        return tuple(pack(p) for p in parts)
+    return pack(_cat_rows(parts))
 
 
 def _cat_rows(parts: tuple[Any, ...]) -> Any:
@@ -238,9 +249,9 @@ def build_model(arch: GemmaArch, top: dict[str, Any], per_layer: list[dict[str, 
         expected = (arch.num_heads * hd, arch.num_kv_heads * hd, arch.num_kv_heads * hd)
         if (q.shape[0], k.shape[0], v.shape[0]) != expected:
             raise ConfigError(f"{where}: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows, the config implies {expected}")
-        layer.qkv = ops.pack_linear(put(_cat_rows((q, k, v))))
+        layer.qkv = _fuse(tuple(put(p) for p in (q, k, v)), ops.pack_linear)
         layer.o_proj = ops.pack_linear(put(need(d, "o", where)))
-        layer.gate_up = ops.pack_linear(put(_cat_rows((need(d, "gate", where), need(d, "up", where)))))
+        layer.gate_up = _fuse((put(need(d, "gate", where)), put(need(d, "up", where))), ops.pack_linear)
         layer.down = ops.pack_linear(put(need(d, "down", where)))
         for name in _NORMS:
             setattr(layer, name, put(need(d, name, where)))

@@ -1,6 +1,7 @@
 """The Gemma 3 text decoder, computing through the backend's ops.
 
-Per layer: rms_norm, one fused q/k/v linear, per-head q/k rms norms, rotary
+Per layer: rms_norm, one fused q/k/v linear (one each where a GGUF file
+mixes their block types), per-head q/k rms norms, rotary
 with the layer's own table (local base for sliding-window layers, global
 base for the rest), paged attention (the window passed to the op, the
 pages those of the layer's KV group: ``kv_cache_specs``), the
@@ -24,6 +25,16 @@ import torch.nn.functional as F
 from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, weights_nbytes
 
 from plinth_plugin_gemma.arch import GemmaArch
+
+
+def _parts(linear: Any, x: torch.Tensor, weight: Any, sizes: tuple[int, ...] | None) -> Sequence[torch.Tensor]:
+    """A fused linear's outputs split by ``sizes`` (None: two halves), or,
+    for a tuple of weights the loader could not fuse (GGUF parts of
+    different types), each one's own output."""
+    if isinstance(weight, tuple):
+        return [linear(x, w) for w in weight]
+    y = linear(x, weight)
+    return y.chunk(2, dim=-1) if sizes is None else y.split(sizes, dim=-1)
 
 
 class GemmaLayer:
@@ -72,7 +83,7 @@ class Gemma3ForCausalLM(torch.nn.Module):
         x = rms_norm(hidden, self.layers[0].input_norm, eps) if self.layers else hidden
         residual = hidden
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            q, k, v = linear(x, layer.qkv).split((q_size, kv_size, kv_size), dim=-1)
+            q, k, v = _parts(linear, x, layer.qkv, (q_size, kv_size, kv_size))
             q = rms_norm(q.reshape(num_tokens, self.num_heads, head_dim), layer.q_norm, eps)
             k = rms_norm(k.reshape(num_tokens, self.num_kv_heads, head_dim), layer.k_norm, eps)
             q, k = rotary(q, k, positions, layer.cos_sin, True)
@@ -82,7 +93,7 @@ class Gemma3ForCausalLM(torch.nn.Module):
             )
             attn = rms_norm(linear(out.reshape(num_tokens, q_size), layer.o_proj), layer.post_attn_norm, eps)
             x, residual = rms_norm(attn, layer.pre_mlp_norm, eps, residual)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            gate, up = _parts(linear, x, layer.gate_up, None)
             mlp = rms_norm(linear(F.gelu(gate, approximate="tanh") * up, layer.down), layer.post_mlp_norm, eps)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, residual = rms_norm(mlp, next_norm, eps, residual)
@@ -109,7 +120,10 @@ class Gemma3ForCausalLM(torch.nn.Module):
         """Every weight object (tensors, or what pack_linear made of them)."""
         out = [self.embed, self.norm, self.lm_head, *self.tables]
         for layer in self.layers:
-            out.extend(getattr(layer, name) for name in GemmaLayer.__slots__ if name not in ("sliding_window", "cos_sin"))
+            for name in GemmaLayer.__slots__:
+                if name not in ("sliding_window", "cos_sin"):
+                    w = getattr(layer, name)
+                    out.extend(w if isinstance(w, tuple) else (w,))
         return [w for w in out if w is not None]
 
     def weight_bytes(self, *, per_token: bool = False) -> int:

@@ -1,11 +1,19 @@
 // plinth cpukernels: linear layers on GGUF weights kept in their quantized blocks.
 //
 // As llama.cpp does it: each activation row is quantized to int8 (one scale per
-// 32 values for Q4_0/Q4_1/Q8_0, per 256 for the K-quants, with the integer sums
-// the weight offsets need), then every weight block is multiplied with integer
-// dot products and scaled once per block. The weights are read once per call,
-// in their file layout (rows of blocks), so a batch-1 step reads 4.5-8.5 bits a
-// weight instead of 16 or 32.
+// 32 values for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, per 256 for the K-quants, with the
+// integer sums the weight offsets need), then every weight block is multiplied
+// with integer dot products and scaled once per block. The weights are read once
+// per call, in their file layout (rows of blocks), so a batch-1 step reads
+// 4.5-8.5 bits a weight instead of 16 or 32.
+//
+// The activations are rounded by llama.cpp's own rules (ggml-cpu
+// quantize_row_q8_0 / q8_1 / q8_K), so that the same file gives the same
+// products: blocks of 32 take d = amax / 127 stored as float16 and
+// q = round(x * (127 / amax)) (Q4_1/Q5_1's minimum term d * sum rounded to
+// float16 too, q8_1's s); blocks of 256 take the signed value of largest
+// magnitude, iscale = -127 / max, q = round(iscale * x), d = 1 / iscale. A
+// tiny model (gemma-3-270m) turns one rounding step into another greedy token.
 //
 // The code path is chosen at COMPILE time from the -m flags the build passes
 // (the instruction sets the accelerator reports, never -march=native):
@@ -52,7 +60,7 @@
 namespace {
 
 // format codes shared with quant.py
-enum Format : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+enum Format : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 6, Q5_1 = 7 };
 
 struct Layout {
   int block;  // weights per block
@@ -67,11 +75,15 @@ inline Layout layout_of(int fmt) {
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
   }
   TORCH_CHECK(false, "cpukernels: unknown GGUF format code ", fmt);
 }
 
-inline bool is_k_quant(int fmt) { return fmt >= Q4_K; }
+inline bool is_k_quant(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
+// formats whose minimum multiplies the activation block sum (llama.cpp's q8_1 partner)
+inline bool has_min_32(int fmt) { return fmt == Q4_1 || fmt == Q5_1; }
 
 inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
@@ -87,6 +99,28 @@ inline float f16_to_f32(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+#endif
+}
+
+// float -> float16 -> float, round to nearest even (ggml's conversion)
+inline float round_f16(float f) {
+#if defined(__F16C__)
+  return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+  float bias_f;
+  std::memcpy(&bias_f, &bias_bits, 4);
+  base = bias_f + base;
+  uint32_t bits;
+  std::memcpy(&bits, &base, 4);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return f16_to_f32(static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign)));
 #endif
 }
 
@@ -129,7 +163,8 @@ struct QuantizedActivations {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sums;
-  std::vector<float> ds;  // blocks of 32: d * float(sum) per block (the weight offsets' and minimums' term)
+  std::vector<float> ds;  // blocks of 32: d * float(sum) per block (the weight offsets' and minimums' term;
+                          // rounded to float16 for Q4_1/Q5_1, as llama.cpp's q8_1 stores it)
   const int8_t* row_q(int64_t m) const { return q.data() + m * K; }
   const float* row_d(int64_t m) const { return d.data() + m * (K / block); }
   const int32_t* row_sums(int64_t m) const { return sums.data() + m * (K / sum_group); }
@@ -143,8 +178,9 @@ inline float load_act<float>(const float* p) { return *p; }
 template <>
 inline float load_act<uint16_t>(const uint16_t* p) { return bf16_to_f32(*p); }
 
+// llama.cpp's rules (see the top of the file); min_f16: the d * sum term as q8_1 rounds it
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t block, QuantizedActivations& out) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t block, bool min_f16, QuantizedActivations& out) {
   out.K = K;
   out.block = block;
   out.sum_group = block == 256 ? 16 : 32;
@@ -157,13 +193,32 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t block, QuantizedAct
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t k = 0; k < K; ++k) row[k] = load_act<T>(x + m * K + k);
       int8_t* q = out.q.data() + m * K;
+      std::vector<float> d32(block == 32 ? K / 32 : 0);  // q8_1's unrounded d
       for (int64_t b = 0; b < K / block; ++b) {
         const float* v = row.data() + b * block;
-        float amax = 0.f;
-        for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float d = amax / 127.f;
-        const float id = d > 0.f ? 1.f / d : 0.f;
-        for (int64_t i = 0; i < block; ++i) q[b * block + i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+        int8_t* qb = q + b * block;
+        float amax = 0.f, max = 0.f;
+        for (int64_t i = 0; i < block; ++i) {
+          const float a = std::fabs(v[i]);
+          if (a > amax) {
+            amax = a;
+            max = v[i];
+          }
+        }
+        float d;
+        if (block == 32) {  // quantize_row_q8_0 / q8_1
+          d32[b] = amax / 127.f;
+          d = round_f16(d32[b]);
+          const float id = amax != 0.f ? 127.f / amax : 0.f;
+          for (int64_t i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+        } else if (amax == 0.f) {  // quantize_row_q8_K_ref
+          d = 0.f;
+          std::memset(qb, 0, block);
+        } else {
+          const float iscale = -127.f / max;
+          for (int64_t i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::min(127.f, std::nearbyint(iscale * v[i])));
+          d = 1.f / iscale;
+        }
         out.d[m * (K / block) + b] = d;
       }
       int32_t* s = out.sums.data() + m * (K / out.sum_group);
@@ -173,7 +228,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t block, QuantizedAct
         s[g] = acc;
       }
       if (block == 32)
-        for (int64_t b = 0; b < K / 32; ++b) out.ds[m * (K / 32) + b] = out.d[m * (K / 32) + b] * static_cast<float>(s[b]);
+        for (int64_t b = 0; b < K / 32; ++b)
+          out.ds[m * (K / 32) + b] = min_f16 ? round_f16(d32[b] * static_cast<float>(s[b])) : out.d[m * (K / 32) + b] * static_cast<float>(s[b]);
     }
   });
 }
@@ -184,8 +240,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t block, QuantizedAct
 struct Chunk {
   uint8_t u[32];
   float scale[2];  // values 0-15, 16-31
-  int offset;      // subtracted from u (Q4_0: 8, Q6_K: 32, Q8_0: 128)
-  float min;       // added (Q4_1: m, K-quants: -dmin * m_j)
+  int offset;      // subtracted from u (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q8_0: 128)
+  float min;       // added (Q4_1/Q5_1: m, K-quants: -dmin * m_j)
 };
 
 inline void unpack_chunk(int fmt, const uint8_t* blk, int j, Chunk& c) {
@@ -201,6 +257,21 @@ inline void unpack_chunk(int fmt, const uint8_t* blk, int j, Chunk& c) {
       }
       c.scale[0] = c.scale[1] = load_f16(blk);
       if (fmt == Q4_0) c.offset = 8;
+      else c.min = load_f16(blk + 2);
+      break;
+    }
+    case Q5_0:
+    case Q5_1: {  // f16 d (Q5_1: then f16 m), 32 high bits, 16 bytes of nibbles; w = d * (u - 16) or d * u + m
+      const int at = fmt == Q5_0 ? 2 : 4;
+      uint32_t qh;
+      std::memcpy(&qh, blk + at, 4);
+      const uint8_t* qs = blk + at + 4;
+      for (int i = 0; i < 16; ++i) {
+        c.u[i] = static_cast<uint8_t>((qs[i] & 0xF) | (((qh >> i) & 1) << 4));
+        c.u[i + 16] = static_cast<uint8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+      }
+      c.scale[0] = c.scale[1] = load_f16(blk);
+      if (fmt == Q5_0) c.offset = 16;
       else c.min = load_f16(blk + 2);
       break;
     }
@@ -273,7 +344,9 @@ void dot_rows(int fmt, const uint8_t* row, const QuantizedActivations& a, int64_
         const float dq = a.row_d(m0 + r)[k0 / a.block];
         const float dot = c.scale[0] * static_cast<float>(lo - c.offset * sum_lo) +
                           c.scale[1] * static_cast<float>(hi - c.offset * (sum - sum_lo));
-        acc[r] += dq * (dot + c.min * static_cast<float>(sum));
+        // blocks of 32: the minimum times the activations' d * sum (float16 for q8_1's partners)
+        const float min_term = a.block == 32 ? c.min * a.row_ds(m0 + r)[k0 / 32] : dq * c.min * static_cast<float>(sum);
+        acc[r] += dq * dot + min_term;
       }
     }
   }
@@ -319,6 +392,19 @@ inline __m256i nibbles_32(const uint8_t* p) {
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// Q5_0 / Q5_1 block -> its 32 five-bit values as bytes: the nibbles (as
+// nibbles_32), bit i of the 32-bit qh giving value i its 16
+inline __m256i q5_values(const uint8_t* blk, bool with_min) {
+  const int at = with_min ? 4 : 2;
+  uint32_t qh;
+  std::memcpy(&qh, blk + at, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(nibbles_32(blk + at + 4), _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
 // Q4_0 and Q4_1 for one or two rows, Q8_0: per block, the scale product dw * da broadcast
 template <int R>
 void dot_rows_q4_0_q4_1(bool with_min, const uint8_t* row, const QuantizedActivations& a, int64_t m0, float* out) {
@@ -341,7 +427,33 @@ void dot_rows_q4_0_q4_1(bool with_min, const uint8_t* row, const QuantizedActiva
       __m256i dot = dot_u8s8(u, load32(a.row_q(m0 + r) + 32 * b));
       if (!with_min) dot = _mm256_sub_epi32(dot, lane0(8 * sum));  // Q4_0 weights are u - 8
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * da), acc[r]);
-      if (with_min) corr[r] += mw * da * static_cast<float>(sum);
+      if (with_min) corr[r] += mw * a.row_ds(m0 + r)[b];  // q8_1's float16 d * sum
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + corr[r];
+}
+
+// Q5_0 (values u - 16) and Q5_1 (d * u + m, the minimum through the activations' float16 d * sum)
+template <int R>
+void dot_rows_q5(bool with_min, const uint8_t* row, const QuantizedActivations& a, int64_t m0, float* out) {
+  const int bytes = with_min ? 24 : 22;
+  const int64_t nb = a.K / 32;
+  __m256 acc[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    corr[r] = 0.f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    const __m256i u = q5_values(blk, with_min);
+    const float dw = load_f16(blk);
+    const float mw = with_min ? load_f16(blk + 2) : 0.f;
+    for (int r = 0; r < R; ++r) {
+      __m256i dot = dot_u8s8(u, load32(a.row_q(m0 + r) + 32 * b));
+      if (!with_min) dot = _mm256_sub_epi32(dot, lane0(16 * a.row_sums(m0 + r)[b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a.row_d(m0 + r)[b]), acc[r]);
+      if (with_min) corr[r] += mw * a.row_ds(m0 + r)[b];
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + corr[r];
@@ -567,6 +679,8 @@ void dot_rows(int fmt, const uint8_t* row, const QuantizedActivations& a, int64_
       else if constexpr (R >= 3) return dot_rows_32<R, Q4_1>(row, a, m0, out);
       else return dot_rows_q4_0_q4_1<R>(true, row, a, m0, out);
     case Q8_0: return dot_rows_q8_0<R>(row, a, m0, out);
+    case Q5_0: return dot_rows_q5<R>(false, row, a, m0, out);
+    case Q5_1: return dot_rows_q5<R>(true, row, a, m0, out);
     case Q4_K: if constexpr (R <= 4) return dot_rows_q45_k<R>(false, row, a, m0, out); break;
     case Q5_K: if constexpr (R <= 4) return dot_rows_q45_k<R>(true, row, a, m0, out); break;
     case Q6_K: if constexpr (R <= 4) return dot_rows_q6_k<R>(row, a, m0, out); break;
@@ -590,6 +704,12 @@ inline __m256i simd_chunk(int fmt, const uint8_t* blk, int j, Chunk& c) {
       if (fmt == Q4_0) c.offset = 8;
       else c.min = load_f16(blk + 2);
       return nibbles_32(blk + (fmt == Q4_0 ? 2 : 4));
+    case Q5_0:
+    case Q5_1:
+      c.scale[0] = c.scale[1] = load_f16(blk);
+      if (fmt == Q5_0) c.offset = 16;
+      else c.min = load_f16(blk + 2);
+      return q5_values(blk, fmt == Q5_1);
     case Q8_0:
       c.scale[0] = c.scale[1] = load_f16(blk);
       c.offset = 128;
@@ -699,7 +819,7 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, bool in
   const int64_t row_bytes = w.size(1);
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    quantize_rows<T>(reinterpret_cast<const T*>(x.data_ptr()), M, K, block, a);
+    quantize_rows<T>(reinterpret_cast<const T*>(x.data_ptr()), M, K, block, has_min_32(static_cast<int>(fmt)), a);
     T* op = reinterpret_cast<T*>(out.data_ptr());
     const int64_t tile = std::max<int64_t>(1, 16384 / row_bytes);
     at::parallel_for(0, N, std::max<int64_t>(4, 65536 / (row_bytes * std::max<int64_t>(1, M))), [&](int64_t begin, int64_t end) {
