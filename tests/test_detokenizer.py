@@ -8,7 +8,6 @@ import random
 from types import SimpleNamespace
 
 import pytest
-
 from plinth.engine.detokenizer import REPLACEMENT, detokenize_step
 
 

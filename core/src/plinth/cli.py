@@ -191,6 +191,9 @@ def _details(row: dict[str, Any]) -> str:
             declared.setdefault(f"GGUF {','.join(caps['gguf_formats'])} kept in blocks: {caps['gguf_path']}", []).append(dtype)
     for what, dtypes in declared.items():
         text += f"; in {', '.join(dtypes)}, {what}"
+    for dtype, caps in (row.get("deterministic_capabilities") or {}).items():
+        if caps.get("gguf_path"):
+            text += f"; --deterministic in {dtype}, GGUF blocks: {caps['gguf_path']}"
     deterministic = row.get("deterministic")
     if deterministic is not None:  # what --deterministic takes from the reference on top of the above
         if not any(deterministic.values()):
@@ -220,18 +223,22 @@ def _unsupported_ops(registry: PluginRegistry, row: dict[str, Any], ctx: Any) ->
     return out, deterministic
 
 
-def _capabilities(registry: PluginRegistry, row: dict[str, Any], ctx: Any) -> dict[str, dict[str, Any]]:
+def _capabilities(registry: PluginRegistry, row: dict[str, Any], ctx: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """dtype -> the backend's declared capabilities (those it declares), over
-    the accelerator's dtypes: what start-up hands the model loader there."""
+    the accelerator's dtypes: what start-up hands the model loader there; and
+    dtype -> those under ``--deterministic`` where they differ."""
     import dataclasses
 
     impl = registry.get("backend", row["name"]).load()
-    out = {}
+    out, deterministic = {}, {}
     for dtype in ctx.accelerator.supported_dtypes():
-        caps = impl.capabilities(dataclasses.replace(ctx, dtype=dtype))
+        caps = impl.capabilities(dataclasses.replace(ctx, dtype=dtype, deterministic=False))
         if caps != type(caps)():
             out[str(dtype).removeprefix("torch.")] = dataclasses.asdict(caps)
-    return out
+        det = impl.capabilities(dataclasses.replace(ctx, dtype=dtype, deterministic=True))
+        if det != caps:  # what --deterministic changes, e.g. how GGUF blocks run
+            deterministic[str(dtype).removeprefix("torch.")] = dataclasses.asdict(det)
+    return out, deterministic
 
 
 def _backend_context(registry: PluginRegistry, name: str) -> Any:
@@ -312,7 +319,7 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
                     row["status"], row["reasons"] = "failed", [f"unsupported_ops() raised {type(exc).__name__}: {exc}"]
                     continue
                 try:
-                    row["capabilities"] = _capabilities(registry, row, backend_ctx)
+                    row["capabilities"], row["deterministic_capabilities"] = _capabilities(registry, row, backend_ctx)
                 except Exception as exc:
                     row["status"], row["reasons"] = "failed", [f"capabilities() raised {type(exc).__name__}: {exc}"]
     for row in rows:  # an available accelerator says what it found

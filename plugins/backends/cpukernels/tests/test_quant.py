@@ -243,6 +243,12 @@ def test_platform_plugins_shows_the_gguf_formats_and_path(capsys):
     assert main(["plugins", "--device", "cpu"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("backend") and " cpukernels " in ln)
     assert "kept in blocks: integer dot products on the blocks, " + path in line, line
+    # --deterministic runs the blocks another way (a dense copy per weight, quant.GGUFOps): said apart
+    det = row["deterministic_capabilities"]
+    assert set(det) == set(row["capabilities"]), det
+    for caps in det.values():
+        assert caps["gguf_path"].startswith("a dense copy per weight") and path in caps["gguf_path"], caps
+    assert "--deterministic in bfloat16, GGUF blocks: a dense copy per weight" in line, line
 
 
 def test_large_batches_use_the_dense_copy_and_small_ones_the_blocks(monkeypatch):

@@ -1,1 +1,1 @@
-"""plinth backend plugin for CPUs: pre-packed GEMMs and a paged-decode attention kernel."""
+"""plinth backend plugin for CPUs: pre-packed GEMMs, GGUF kernels on the quantized blocks and a paged attention kernel."""

@@ -17,11 +17,13 @@ from plinth_plugin_cpukernels.gemm import (
     DTYPE_NAMES,
     PackedLinear,
     SmallGemm,
+    fused_gguf_rows,
     make_fused_gguf_linear,
     make_linear,
     pack_linear,
 )
 from plinth_plugin_cpukernels.quant import (
+    DENSE_COPY_SHARE,
     GEMM_MIN_ROWS,
     GGUF_FORMATS,
     GGUFLinear,
@@ -90,7 +92,16 @@ class CPUKernelsBackend(Backend):
         isa = accelerator_isa(ctx)
         if isa is None or "linear" in cls.unsupported_ops(ctx):
             return BackendCapabilities()
-        return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=f"integer dot products on the blocks, {gguf_kernel_path(isa)}")
+        integer = f"integer dot products on the blocks, {gguf_kernel_path(isa)}"
+        if not ctx.deterministic:
+            return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=integer)
+        # deterministic mode: one path per weight for every batch (ops() below, quant.GGUFOps)
+        if str(ctx.dtype) == "torch.bfloat16" and {"avx512_bf16", "avx512bw"} <= set(isa):
+            small = f"up to {fused_gguf_rows()} rows the fused kernel on the blocks where it has the format (bit-identical), more rows the copy"
+        else:
+            small = "every batch on the copy"
+        path = f"a dense copy per weight within {DENSE_COPY_SHARE:.0%} of the memory, {small}; past that budget, {integer} in one order per row"
+        return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=path)
 
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         import torch.nn.functional as F

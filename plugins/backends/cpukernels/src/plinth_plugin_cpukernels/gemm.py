@@ -106,6 +106,11 @@ def _available_memory() -> int:
     return available()
 
 
+def fused_gguf_rows() -> int:
+    """Deterministic mode's row limit for the fused GGUF kernel (the setting's override or the default)."""
+    return int(os.environ.get(FUSED_GGUF_ROWS_ENV, "").strip() or FUSED_GGUF_ROWS)
+
+
 class SmallGemm:
     """Packs the streaming copies and says how many rows they serve; the
     kernels are built on the first weight that gets one."""
@@ -124,7 +129,7 @@ class SmallGemm:
         self.budget = budget
         self.kernels: Any = None
         #: deterministic mode: rows up to which GGUF weights take the fused kernel (0: never)
-        self.fused_gguf_rows = int(os.environ.get(FUSED_GGUF_ROWS_ENV, "").strip() or FUSED_GGUF_ROWS) if invariant else 0
+        self.fused_gguf_rows = fused_gguf_rows() if invariant else 0
         self._fused_formats: frozenset[int] | None = None
 
     def rows_for(self, dtype: Any) -> int:

@@ -10,6 +10,6 @@ def plinth_register_backends():
             name="cpukernels",
             impl="plinth_plugin_cpukernels.backend:CPUKernelsBackend",
             priority=10,
-            description="CPU: oneDNN pre-packed GEMMs, GGUF weights in their quantized blocks (Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K), C++ paged-decode attention; other ops from the reference",
+            description="CPU: oneDNN pre-packed GEMMs, GGUF weights in their quantized blocks (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K), C++ paged attention; other ops from the reference",
         )
     ]
