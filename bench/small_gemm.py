@@ -102,8 +102,10 @@ def steps(k, args) -> None:
 
     mk = torch.ops.mkldnn
     layer = [SHAPES[n] for n in ("qkv 576->960", "o 576->576", "gate_up 576->3072", "down 1536->576")]
-    print("| dtype | M | ours ms/step | oneDNN ms/step | oneDNN/ours | ours GB/s | ours GFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    # the AMX kernel (bf16, K a multiple of 32) where the build and the CPU have it
+    amx = bool(k.linear_amx_available())
+    print("| dtype | M | ours ms/step | oneDNN ms/step | oneDNN/ours | ours GB/s | ours GFLOP/s | AMX ms/step | oneDNN/AMX |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dname in args.dtype.split(","):
         dtype = getattr(torch, dname)
         shapes = layer * 30 + [SHAPES["lm_head 576->49152"]]
@@ -123,16 +125,25 @@ def steps(k, args) -> None:
                 for (_n, kdim), w in zip(shapes, dnn):
                     mk._linear_pointwise(xs[kdim], w, None, "none", [], "")
 
-            t_ours, t_dnn = [], []
-            run_ours(), run_dnn()
+            def run_amx(xs=xs, shapes=shapes, ours=ours):
+                for (n, kdim), w in zip(shapes, ours):
+                    k.linear_amx(xs[kdim], w, n, kdim, None)
+
+            with_amx = amx and dtype == torch.bfloat16
+            t_ours, t_dnn, t_amx = [], [], []
+            runs = [(run_ours, t_ours), (run_dnn, t_dnn)] + ([(run_amx, t_amx)] if with_amx else [])
+            for fn, _ in runs:
+                fn()
             for _ in range(args.step):
-                for fn, acc in ((run_ours, t_ours), (run_dnn, t_dnn)):
+                for fn, acc in runs:
                     t = time.thread_time()
                     fn()
                     acc.append(time.thread_time() - t)
             a, b = statistics.median(t_ours), statistics.median(t_dnn)
             flop = 2 * m * nbytes / dtype.itemsize
-            print(f"| {dname} | {m} | {a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f} | {nbytes / a / 1e9:.1f} | {flop / a / 1e9:.0f} |", flush=True)
+            c = statistics.median(t_amx) if t_amx else None
+            amx_cells = f"{c * 1e3:.2f} | {b / c:.2f}" if c else "- | -"
+            print(f"| {dname} | {m} | {a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f} | {nbytes / a / 1e9:.1f} | {flop / a / 1e9:.0f} | {amx_cells} |", flush=True)
 
 
 if __name__ == "__main__":

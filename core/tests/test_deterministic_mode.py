@@ -14,12 +14,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plinth.api import BASE_OPS, Backend, BackendDescriptor, SelectionContext, hookimpl  # noqa: E402
+from plinth.api import BASE_OPS, Backend, BackendCapabilities, BackendDescriptor, SelectionContext, hookimpl  # noqa: E402
 from plinth.cli import _details, build_parser, cmd_plugins, plugin_kwargs  # noqa: E402
 from plinth.engine.config import DEFAULT_DETERMINISTIC, EngineConfig  # noqa: E402
 from plinth.engine.sampler import Sampler, SampleRow, filtered_probs, make_generator, process_logits  # noqa: E402
 from plinth.engine.sampling_params import SamplingParams  # noqa: E402
-from plinth.engine.startup import resolve_ops  # noqa: E402
+from plinth.engine.startup import resolve_deterministic, resolve_ops  # noqa: E402
 from plugin_fakes import accel, impl_module, plugin_module, registry_of  # noqa: E402
 
 # ---- the flag ------------------------------------------------------------------------------
@@ -112,6 +112,41 @@ def test_plugins_shows_what_each_backend_declines_in_the_mode(capsys: pytest.Cap
     assert f"--deterministic in float32: pack_linear, linear from the reference: {_SplitsGemm.WHY}" in line
     assert "--deterministic: every op batch-invariant" in next(x for x in table.splitlines() if " ref " in x)
     assert "every op batch-invariant" in _details({"reasons": [], "deterministic": {"bfloat16": {}, "float32": {}}})
+
+
+# ---- the default: the backend's word -----------------------------------------------------------
+
+
+class _CheapHere(Backend):
+    """Declares its batch-invariant ops within 5% of its default ones on bfloat16."""
+
+    @classmethod
+    def capabilities(cls, ctx):
+        cheap = str(ctx.dtype) == "torch.bfloat16"
+        return BackendCapabilities(deterministic_default=cheap, deterministic_why="measured 1.01x" if cheap else "measured 1.4x")
+
+    def ops(self):
+        return _any_ops(BASE_OPS)
+
+
+def test_an_unset_flag_follows_the_backend_and_a_set_one_wins() -> None:
+    impl_module().DetCheap = _CheapHere
+    entry = registry_of(
+        ("plinth-fake-cheap", "1.0", plugin_module("cheap", accel("cheapcpu"), plinth_register_backends=_register(
+            BackendDescriptor(name="cheap", impl=f"{impl_module().__name__}:DetCheap", reference=True))))
+    ).get("backend", "cheap")
+    bf16, fp32 = SelectionContext(dtype=torch.bfloat16), SelectionContext(dtype=torch.float32)
+    assert resolve_deterministic(None, entry, bf16) == (True, "unset, so backend cheap's default: measured 1.01x")
+    assert resolve_deterministic(None, entry, fp32) == (False, "unset, so backend cheap's default: measured 1.4x")
+    assert resolve_deterministic(False, entry, bf16) == (False, "--no-deterministic")
+    assert resolve_deterministic(True, entry, fp32) == (True, "--deterministic")
+    assert "deterministic by default (measured 1.01x)" in _details({"reasons": [], "capabilities": {"bfloat16": {"deterministic_default": True, "deterministic_why": "measured 1.01x"}}})
+
+
+def _register(*descriptors):
+    hook = hookimpl(lambda: list(descriptors))
+    hook.__name__ = "plinth_register_backends"
+    return hook
 
 
 # ---- the sampler, per row --------------------------------------------------------------------

@@ -118,7 +118,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=DEFAULT_DETERMINISTIC,
         help="batch-invariant ops: a request's tokens and logits do not depend on its batch, chunking, page size, "
-        "prefix-cache hits or speculation (docs/serving.md; `platform plugins` shows what each backend declines)",
+        "prefix-cache hits or speculation (docs/serving.md; `platform plugins` shows what each backend declines). "
+        "Unset: on where the chosen backend measured the mode within 5%% of its default ops on this kind of machine "
+        "(the start-up log says which and why)",
     )
 
 
@@ -189,6 +191,8 @@ def _details(row: dict[str, Any]) -> str:
             declared.setdefault(f"FP8 weights {caps['fp8']}: {caps['fp8_why']}", []).append(dtype)
         if caps.get("gguf_formats"):
             declared.setdefault(f"GGUF {','.join(caps['gguf_formats'])} kept in blocks: {caps['gguf_path']}", []).append(dtype)
+        if caps.get("deterministic_default"):  # an unset --deterministic turns the mode on here
+            declared.setdefault(f"deterministic by default ({caps['deterministic_why']})", []).append(dtype)
     for what, dtypes in declared.items():
         text += f"; in {', '.join(dtypes)}, {what}"
     for dtype, caps in (row.get("deterministic_capabilities") or {}).items():

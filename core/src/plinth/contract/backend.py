@@ -168,12 +168,20 @@ class BackendCapabilities:
     gguf_formats: GGUF types (``Q4_0``, ``Q4_K``, ...) whose blocks
                   ``pack_linear`` keeps; others are dequantized at load
     gguf_path:    how ``linear`` runs them, for the start-up log
+    deterministic_default: whether deterministic serving is on when the
+                  user leaves ``--deterministic`` unset: the backend's own
+                  measurement says its batch-invariant ops cost under 5%
+                  on the serving benchmark on this kind of machine and dtype
+    deterministic_why: that measurement or the reason it is off, for the
+                  start-up log and `platform plugins`
     """
 
     fp8: str = ""
     fp8_why: str = ""
     gguf_formats: tuple[str, ...] = ()
     gguf_path: str = ""
+    deterministic_default: bool = False
+    deterministic_why: str = ""
 
 
 _P = inspect.Parameter

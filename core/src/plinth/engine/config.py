@@ -20,9 +20,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 #: deterministic serving (``--deterministic``): batch-invariant ops, so a
 #: request's tokens and logits do not depend on its batch, chunking, page
 #: size, prefix-cache hits or speculation (docs/serving.md). The one place
-#: its default lives; it follows the measured cost on the serving benchmark
-#: (on where that is under 5%).
-DEFAULT_DETERMINISTIC = False
+#: its default lives: None, the chosen backend's word
+#: (``BackendCapabilities.deterministic_default``: on where its measured
+#: cost on the serving benchmark is under 5% on this kind of machine).
+DEFAULT_DETERMINISTIC: bool | None = None
 
 
 @dataclass
@@ -72,7 +73,7 @@ class EngineConfig:
     num_speculative_tokens: int | None = None  # k; default 4 when a method is named
     speculative_model: str | None = None  # the draft model of the `draft` proposer
     #: batch-invariant ops in every backend (``SelectionContext.deterministic``)
-    deterministic: bool = DEFAULT_DETERMINISTIC
+    deterministic: bool | None = DEFAULT_DETERMINISTIC
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

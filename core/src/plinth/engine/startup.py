@@ -91,6 +91,17 @@ OP_GROUPS = (("pack_linear", "linear"), ("allocate_kv_cache", "prepare_attention
 OP_REQUIRES = {"qkv_attention": ("allocate_kv_cache", "attention")}
 
 
+def resolve_deterministic(asked: bool | None, backend: PluginEntry, ctx: SelectionContext) -> tuple[bool, str]:
+    """Deterministic mode for this run and why: what the user asked, or
+    (unset) the chosen backend's word for this machine and dtype
+    (``BackendCapabilities.deterministic_default``)."""
+    if asked is not None:
+        return asked, "--deterministic" if asked else "--no-deterministic"
+    caps = backend.load().capabilities(ctx)
+    why = caps.deterministic_why or ("its cost here is not measured under 5%" if not caps.deterministic_default else "")
+    return caps.deterministic_default, f"unset, so backend {backend.name}'s default: {why}"
+
+
 def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext) -> tuple[OpTable, dict[str, str]]:
     """The op table: the chosen backend's ops over the reference backend's,
     each checked against its signature (a mismatch fails naming the backend)."""
@@ -385,6 +396,8 @@ class Started:
         return self.plan.num_pages
 
     def components(self, config: EngineConfig, step_plan: Any) -> Components:
+        # the mode as start-up resolved it (an unset --deterministic follows the backend)
+        config = dataclasses.replace(config, deterministic=self.ctx.deterministic)
         return Components(
             config=config, accelerator=self.accelerator, accelerator_name=self.accelerator_name,
             backend_name=self.backend_name, model_loader_name=self.loader_name, source=self.source,
@@ -402,7 +415,7 @@ def check_a2a(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
         return config
     ctx = SelectionContext(
         tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=planned_layout(config, registry),
-        deterministic=config.deterministic,
+        deterministic=bool(config.deterministic),
     )  # fmt: skip
     entry = registry.select("a2a", config.a2a, ctx)
     log.info("a2a: %s for %s", entry.label(), ctx.layout)
@@ -448,7 +461,7 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
 
     source = locate_model(config.model, registry)
     ctx = SelectionContext(
-        accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep, deterministic=config.deterministic
+        accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep, deterministic=bool(config.deterministic)
     )
     loader_entry = choose_model_loader(registry, source, ctx)
     loader = loader_entry.load()()
@@ -459,12 +472,13 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
 
     ctx.model = model_cfg
     backend_entry = registry.select("backend", config.backend, ctx, prefer=accelerator.info().preferred_backends)
+    ctx.deterministic, why = resolve_deterministic(config.deterministic, backend_entry, ctx)
     ops, op_sources = resolve_ops(registry, backend_entry, ctx)
     if first:  # what the mode holds this run to (the backends log each op they decline for it)
         log.info(
-            "deterministic mode: %s (%s)", "on" if config.deterministic else "off",
+            "deterministic mode: %s (%s; %s)", "on" if ctx.deterministic else "off", why,
             "batch-invariant ops: tokens and logits do not depend on batch, chunking, page size, prefix cache, speculation"
-            if config.deterministic else "a request's tokens may depend on what runs beside it; --deterministic fixes them",
+            if ctx.deterministic else "a request's tokens may depend on what runs beside it; --deterministic fixes them",
         )  # fmt: skip
     tried = [backend_entry.name] + [n for n in reference_backends(registry) if n != backend_entry.name]
     check_required_ops(loader.required_ops(model_cfg), ops, tried, model_cfg.architecture)
@@ -482,7 +496,7 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
     tokenizer = loader.load_tokenizer(source) if first else None
     load_ctx = LoadContext(
         device=device, dtype=dtype, ops=ops, progress=config.load_progress and first, dequantize=config.dequantize,
-        deterministic=config.deterministic, **parallel,
+        deterministic=ctx.deterministic, **parallel,
     )
     model = loader.load_model(source, model_cfg, load_ctx)
     peak = 0

@@ -18,12 +18,12 @@ from plinth.api import QuantizedWeight, SelectionContext, load_accelerator
 from plinth.testing import op_table
 from plinth.testing.invariance import ROWWISE_OPS, batch_invariance_problems, rowwise_invariance_problems
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend, accelerator_isa, bf16_gemm_missing
-from plinth_plugin_cpukernels.gemm import ALL_ROWS, linear_kernel_path, load_linear_kernels
+from plinth_plugin_cpukernels.gemm import ALL_ROWS, AMX_ENV, linear_kernel_path, load_linear_kernels
 from plinth_plugin_cpukernels.quant import DETERMINISTIC_PATH_ENV
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_quant import random_blocks  # noqa: E402
-from test_small_gemm import BUILDS  # noqa: E402
+from test_small_gemm import BUILDS, NATIVE, amx_kernels  # noqa: E402
 
 CPU = load_accelerator("cpu")
 DTYPES = [torch.bfloat16, torch.float32]
@@ -46,14 +46,20 @@ def _assert_invariant(fn, *rows):
     assert not problems, f"{len(problems)} batches differ: " + "; ".join(problems[:6])
 
 
+@pytest.mark.parametrize("amx", ["", "0"], ids=["amx-if-here", "amx-off"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", DENSE_SHAPES, ids=str)
-def test_dense_linear(dtype, shape):
+def test_dense_linear(dtype, shape, amx, monkeypatch):
+    """bf16 weights with K a multiple of 32 run on AMX tiles where the CPU
+    has them (PLINTH_CPU_AMX=0: the vdpbf16ps kernel), the rest streams."""
+    monkeypatch.setenv(AMX_ENV, amx)
     ops = _ops(dtype)
     torch.manual_seed(0)
     n, k = shape
     weight = ops.pack_linear(torch.randn(n, k).to(dtype) / k**0.5)
     assert weight.packed is None and weight.small_rows == ALL_ROWS  # every batch streams, no oneDNN copy
+    amx_here = amx != "0" and bool(load_linear_kernels(NATIVE).linear_amx_available())
+    assert weight.amx == (amx_here and dtype == torch.bfloat16 and k % 32 == 0)
     bias = torch.randn(n).to(dtype)
     x = torch.randn(POOL, k).to(dtype)
     _assert_invariant(lambda x: ops.linear(x, weight), x)
@@ -70,6 +76,16 @@ def test_streaming_kernel_on_every_code_path(isa, dtype):
     n, kdim = 200, 577
     packed = k.linear_pack(torch.randn(n, kdim).to(dtype))
     _assert_invariant(lambda x: k.linear_small(x, packed, n, kdim, None), torch.randn(POOL, kdim).to(dtype))
+
+
+def test_amx_kernel():
+    """The kernel bf16 weights take on CPUs with AMX, directly: 1-64 rows (row tiles of 16, a padded last one)."""
+    k = amx_kernels()
+    torch.manual_seed(6)
+    n, kdim = 200, 576
+    packed = k.linear_pack(torch.randn(n, kdim).bfloat16())
+    bias = torch.randn(n).bfloat16()
+    _assert_invariant(lambda x: k.linear_amx(x, packed, n, kdim, bias), torch.randn(POOL, kdim).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -15,12 +15,12 @@ import torch
 from plinth.api import QuantizedWeight, SelectionContext, load_accelerator
 from plinth.testing import op_table
 from plinth_plugin_cpukernels.backend import accelerator_isa, bf16_gemm_missing
-from plinth_plugin_cpukernels.gemm import FUSED_GGUF_ROWS, SmallGemm, linear_kernel_path, load_linear_kernels
+from plinth_plugin_cpukernels.gemm import AMX_ENV, FUSED_GGUF_ROWS, SmallGemm, linear_kernel_path, load_linear_kernels
 from plinth_plugin_cpukernels.quant import GGUF_FORMATS, load_quant_kernels
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_quant import random_blocks  # noqa: E402
-from test_small_gemm import AVX2, NATIVE, X86  # noqa: E402
+from test_small_gemm import AVX2, NATIVE, X86, amx_kernels  # noqa: E402
 
 CPU = load_accelerator("cpu")
 FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
@@ -68,6 +68,30 @@ def test_fused_equals_the_dense_streaming_kernel(name):
         torch.testing.assert_close(lin.gguf_fused_linear(x, fused, code, n, k, None).float(), ref, rtol=1.6e-2, atol=1e-2 * ref.abs().amax().item())
 
 
+def test_fused_amx_equals_the_dense_amx_kernel():
+    """On AMX tiles: the records dequantized into B tiles give the bits of
+    the AMX kernel on the dense copy, so deterministic mode splits batches
+    between the two there too."""
+    lin = amx_kernels()
+    quant = load_quant_kernels(NATIVE)
+    for name in FORMATS:
+        code = GGUF_FORMATS[name][0]
+        for i, (n, k) in enumerate(SHAPES):
+            blocks = _blocks(name, n, k, seed=i)
+            dense = lin.linear_pack(quant.gguf_dequantize(blocks, code, k, 0, n, True))
+            fused = lin.gguf_fused_pack(blocks, code, n, k)
+            torch.manual_seed(i)
+            bias = torch.randn(n).to(torch.bfloat16)
+            for m in ROWS + [17, 33]:
+                x = (torch.randn(m, k) * 3).to(torch.bfloat16)
+                for b in (None, bias):
+                    want = lin.linear_amx(x, dense, n, k, b)
+                    got = lin.gguf_fused_linear_amx(x, fused, code, n, k, b)
+                    assert torch.equal(got, want), f"{name} N={n} K={k} M={m}: max diff {(got.float() - want.float()).abs().max()}"
+    with pytest.raises(RuntimeError, match="do not match"):
+        lin.gguf_fused_linear_amx(torch.randn(2, 64).bfloat16(), fused, code, 40, 64, None)
+
+
 @pytest.mark.skipif(not NATIVE_HAS_IT, reason="the fused kernel needs the AVX512-BF16 build")
 def test_fused_rejects_bad_input():
     lin = load_linear_kernels(NATIVE)
@@ -99,13 +123,15 @@ def test_only_deterministic_mode_takes_it():
     assert SmallGemm(NATIVE, invariant=True).fused_gguf_rows == FUSED_GGUF_ROWS
 
 
+@pytest.mark.parametrize("amx", ["", "0"], ids=["amx-if-here", "amx-off"])
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K"])
-def test_backend_splits_batches_between_fused_and_dense(name):
+def test_backend_splits_batches_between_fused_and_dense(name, amx, monkeypatch):
     """Through the op table: few rows on the fused records, more on the dense
     copy, and every row the same bits alone or in any batch (the split is at
     FUSED_GGUF_ROWS rows); K-quants have no fused kernel."""
     if bf16_gemm_missing(accelerator_isa(SelectionContext(accelerator=CPU))):
         pytest.skip("this CPU cannot run oneDNN bf16 GEMMs: cpukernels leaves bf16 linear to the reference")
+    monkeypatch.setenv(AMX_ENV, amx)
     ops = op_table(SelectionContext(accelerator=CPU, dtype=torch.bfloat16, deterministic=True), "cpukernels")
     n, k = 100, 512
     blocks, _ = random_blocks(name, n, k)

@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 from plinth.api import SelectionContext, load_accelerator
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend, accelerator_isa, bf16_gemm_missing
-from plinth_plugin_cpukernels.gemm import ROWS_ENV, PackedLinear, SmallGemm, linear_kernel_path, load_linear_kernels
+from plinth_plugin_cpukernels.gemm import (
+    AMX_ENV,
+    AMX_ROWS,
+    ROWS_ENV,
+    PackedLinear,
+    SmallGemm,
+    linear_kernel_path,
+    load_linear_kernels,
+)
 
 CPU = load_accelerator("cpu")  # the real one: its instruction sets, narrowed or not
 NATIVE = tuple(CPU.info().isa)
@@ -106,3 +114,70 @@ def test_greedy_tokens_match_transformers(rows, tmp_path_factory, monkeypatch):
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == reference_greedy(path, prompt, 10)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)] == [outs[0].outputs[0].token_ids]
+
+
+def amx_kernels():
+    """The native build's kernels where it runs AMX tiles here, else the test is skipped."""
+    k = load_linear_kernels(NATIVE)
+    if not k.linear_amx_available():
+        pytest.skip("no AMX here: this CPU (or PLINTH_CPU_ISA) lacks amx_tile/amx_bf16, or the kernel does not grant the tiles")
+    return k
+
+
+#: (N, K) with K a multiple of 32 (the AMX kernel's rule); N not a multiple of 16
+AMX_SHAPES = [(1, 32), (17, 64), (96, 288), (200, 576)]
+
+
+def test_amx_kernel_matches_f_linear():
+    k = amx_kernels()
+    torch.manual_seed(2)
+    for n, kdim in AMX_SHAPES:
+        w, b = torch.randn(n, kdim).bfloat16(), torch.randn(n).bfloat16()
+        packed = k.linear_pack(w)
+        for m in (0, 1, 2, 5, 15, 16, 17, 31, 40):
+            x = torch.randn(m, kdim).bfloat16()
+            bias = b if m % 2 else None
+            _close(k.linear_amx(x, packed, n, kdim, bias), x, w, bias)
+
+
+def test_amx_kernel_rejects_bad_input():
+    k = amx_kernels()
+    packed = k.linear_pack(torch.randn(20, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        k.linear_amx(torch.randn(2, 64), packed, 20, 64, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        k.linear_amx(torch.randn(2, 64).bfloat16(), packed, 40, 64, None)
+    odd = k.linear_pack(torch.randn(20, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        k.linear_amx(torch.randn(2, 48).bfloat16(), odd, 20, 48, None)
+
+
+@pytest.mark.skipif(not (X86 and {"avx2", "fma"} <= set(NATIVE)), reason="needs an x86 CPU with AVX2+FMA")
+def test_builds_without_amx_say_so():
+    k = load_linear_kernels(AVX2)
+    assert not k.linear_amx_available()
+    with pytest.raises(RuntimeError, match="no AMX kernel"):
+        k.linear_amx(torch.randn(1, 32).bfloat16(), k.linear_pack(torch.randn(16, 32).bfloat16()), 16, 32, None)
+    assert not SmallGemm(AVX2).amx()
+
+
+def test_backend_routes_bf16_weights_to_amx(monkeypatch):
+    """bf16 weights whose K is a multiple of 32 take the AMX kernel up to
+    AMX_ROWS rows (oneDNN above); other K, and PLINTH_CPU_AMX=0, the vdpbf16ps one."""
+    k = amx_kernels()
+    if bf16_gemm_missing(accelerator_isa(SelectionContext(accelerator=CPU))):
+        pytest.skip("this CPU cannot run oneDNN bf16 GEMMs")
+    torch.manual_seed(3)
+    w, b = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
+    ops = _ops(torch.bfloat16)
+    packed = ops["pack_linear"](w)
+    assert packed.amx and packed.small_rows == AMX_ROWS
+    assert not ops["pack_linear"](torch.randn(40, 70).bfloat16()).amx
+    for m in (1, AMX_ROWS):
+        x = torch.randn(m, 64).bfloat16()
+        assert torch.equal(ops["linear"](x, packed, b), k.linear_amx(x, packed.small, 40, 64, b))
+    x = torch.randn(AMX_ROWS + 1, 64).bfloat16()  # oneDNN's: bit-identical to F.linear
+    torch.testing.assert_close(ops["linear"](x, packed), F.linear(x, w), rtol=0, atol=0)
+    monkeypatch.setenv(AMX_ENV, "0")
+    off = _ops(torch.bfloat16)["pack_linear"](w)
+    assert not off.amx and off.small_rows == SmallGemm(NATIVE).rows_for(torch.bfloat16)

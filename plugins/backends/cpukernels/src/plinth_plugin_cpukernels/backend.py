@@ -17,6 +17,7 @@ from plinth_plugin_cpukernels.gemm import (
     DTYPE_NAMES,
     PackedLinear,
     SmallGemm,
+    amx_allowed,
     fused_gguf_rows,
     make_fused_gguf_linear,
     make_linear,
@@ -32,6 +33,9 @@ from plinth_plugin_cpukernels.quant import (
     gguf_kernel_path,
 )
 
+#: deterministic mode's measured cost (bench/serve_compare.py, SmolLM2-135M GGUF, bf16; docs/benchmarks.md)
+AMX_COST = "TODO"
+NO_AMX_COST = "TODO"
 #: oneDNN runs bfloat16 GEMMs only with one of these (torch checks the same
 #: before its bf16 path and raises otherwise): AVX-512 BW+VL+DQ, AVX-NE-CONVERT
 #: on x86, the BF16 extension on aarch64
@@ -52,6 +56,20 @@ def bf16_gemm_missing(isa: tuple[str, ...]) -> str | None:
         "oneDNN's bfloat16 GEMMs need avx512bw+avx512vl+avx512dq or avx_ne_convert (x86) or bf16 (aarch64), "
         f"and this CPU reports {','.join(isa) or 'none of them'}"
     )
+
+
+def deterministic_default(isa: tuple[str, ...], dtype: Any) -> tuple[bool, str]:
+    """Whether deterministic mode is on by default here, and the measurement
+    behind it (docs/benchmarks.md, "Deterministic mode's cost"): on with
+    bfloat16 on CPUs with AMX tiles, where every linear runs batch-invariant
+    on them (gemm.py) at the default's speed; off elsewhere, where the
+    streaming kernel replaces oneDNN for large batches."""
+    amx = {"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"} <= set(isa) and amx_allowed()
+    if str(dtype) == "torch.bfloat16" and amx:
+        return True, AMX_COST
+    if str(dtype) == "torch.bfloat16":
+        return False, NO_AMX_COST
+    return False, "measured in bfloat16 only (float32 is off by default)"
 
 
 class CPUKernelsBackend(Backend):
@@ -93,15 +111,18 @@ class CPUKernelsBackend(Backend):
         if isa is None or "linear" in cls.unsupported_ops(ctx):
             return BackendCapabilities()
         integer = f"integer dot products on the blocks, {gguf_kernel_path(isa)}"
+        on, why = deterministic_default(isa, ctx.dtype)
+        mode = {"deterministic_default": on, "deterministic_why": why}
         if not ctx.deterministic:
-            return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=integer)
+            return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=integer, **mode)
         # deterministic mode: one path per weight for every batch (ops() below, quant.GGUFOps)
         if str(ctx.dtype) == "torch.bfloat16" and {"avx512_bf16", "avx512bw"} <= set(isa):
-            small = f"up to {fused_gguf_rows()} rows the fused kernel on the blocks where it has the format (bit-identical), more rows the copy"
+            tiles = " on AMX tiles" if {"amx_tile", "amx_bf16"} <= set(isa) and amx_allowed() else ""
+            small = f"up to {fused_gguf_rows()} rows the fused kernel on the blocks where it has the format (bit-identical), more rows the copy{tiles}"
         else:
             small = "every batch on the copy"
         path = f"a dense copy per weight within {DENSE_COPY_SHARE:.0%} of the memory, {small}; past that budget, {integer} in one order per row"
-        return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=path)
+        return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=path, **mode)
 
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         import torch.nn.functional as F

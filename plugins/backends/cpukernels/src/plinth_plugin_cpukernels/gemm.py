@@ -46,6 +46,23 @@ kernel's time over oneDNN's above ``SMALL_ROWS`` (``bench/small_gemm.py
 --step 3 --rows 1,16,64,256``, SmolLM2-135M's 121 linears, one thread,
 loaded 2-core AMD EPYC Zen 4): bf16 0.97x at 64 rows, 1.11x at 256; fp32
 1.11x at 64, 1.19x at 256; nothing up to 16 rows (the same kernel).
+
+CPUs with AMX (``amx_tile`` + ``amx_bf16``, Sapphire Rapids and later): the
+vdpbf16ps kernel runs at about 60 GFLOP/s a thread there and oneDNN's AMX
+kernels beat it from 8 rows up (0.45x at 16 rows, 0.11x at 256), so bf16
+weights whose K is a multiple of 32 take ``linear_amx`` instead: the same
+packed copy read as TDPBF16PS tiles (16 pair lines of a block are one B
+tile), 4 blocks of 16 outputs per group, one C tile row per output summed
+over K in order whatever the rows, so it is batch-invariant too (not
+bit-identical to the vdpbf16ps kernel: each weight keeps one of the two).
+``bench/small_gemm.py --step 3`` (SmolLM2-135M's 121 linears, one thread,
+Intel Xeon with AMX, 2 cores, the other busy with CI): ms/step at 1, 16, 32,
+64, 128 rows: AMX 26-29, 24-33, 44, 62-74, 61; vdpbf16ps 23-26, 67-79, 149,
+319-439, 531; oneDNN 30-42, 34-55, 82, 59-62, 58. The default mode
+therefore takes it up to ``AMX_ROWS`` rows and oneDNN above; deterministic
+mode takes it for every batch (``PLINTH_CPU_AMX=0``: off). The fused GGUF
+records run on AMX tiles too (``gguf_fused_linear_amx``: each block
+dequantized in registers into a B tile, bit-identical to the dense copy's).
 """
 
 from __future__ import annotations
@@ -57,7 +74,7 @@ from typing import Any, Callable, Iterable
 DTYPE_NAMES = ("bfloat16", "float32")
 
 LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear_ops.cpp"
-LINEAR_FUNCTIONS = ["linear_pack", "linear_small", "linear_kernel_path", "gguf_fused_pack", "gguf_fused_linear", "gguf_fused_formats"]
+LINEAR_FUNCTIONS = ["linear_pack", "linear_small", "linear_kernel_path", "gguf_fused_pack", "gguf_fused_linear", "gguf_fused_formats", "linear_amx", "linear_amx_available", "gguf_fused_linear_amx"]
 
 #: the largest number of activation rows the streaming kernel takes, by its
 #: code path and the weight's dtype (beyond it, oneDNN): see the module doc
@@ -78,6 +95,12 @@ FUSED_GGUF_ROWS = 8
 FUSED_GGUF_ROWS_ENV = "PLINTH_CPU_FUSED_GGUF_ROWS"
 #: the row limit of deterministic mode: every batch
 ALL_ROWS = 1 << 62
+#: bf16 weights on CPUs with AMX (``linear_amx``): the row limit in the default
+#: mode (above it oneDNN, whose AMX kernels block for large M); deterministic
+#: mode takes the AMX kernel for every batch. See the module doc.
+AMX_ROWS = 32
+#: "0" keeps the AMX kernel off (the vdpbf16ps kernel instead), for comparisons
+AMX_ENV = "PLINTH_CPU_AMX"
 
 
 def load_linear_kernels(isa: Iterable[str], verbose: bool = False) -> Any:
@@ -106,6 +129,11 @@ def _available_memory() -> int:
     return available()
 
 
+def amx_allowed() -> bool:
+    """Whether ``PLINTH_CPU_AMX`` leaves the AMX kernel on (whether it runs also takes the CPU and the kernel)."""
+    return os.environ.get(AMX_ENV, "").strip() != "0"
+
+
 def fused_gguf_rows() -> int:
     """Deterministic mode's row limit for the fused GGUF kernel (the setting's override or the default)."""
     return int(os.environ.get(FUSED_GGUF_ROWS_ENV, "").strip() or FUSED_GGUF_ROWS)
@@ -131,9 +159,23 @@ class SmallGemm:
         #: deterministic mode: rows up to which GGUF weights take the fused kernel (0: never)
         self.fused_gguf_rows = fused_gguf_rows() if invariant else 0
         self._fused_formats: frozenset[int] | None = None
+        self._amx: bool | None = None
 
     def rows_for(self, dtype: Any) -> int:
         return self.rows.get(str(dtype).removeprefix("torch."), 0)
+
+    def amx(self) -> bool:
+        """Whether bf16 weights run on AMX tiles here (the build, the CPU and
+        the kernel grant them, and ``PLINTH_CPU_AMX`` does not say 0)."""
+        if self._amx is None:
+            if self.kernels is None:
+                self.kernels = load_linear_kernels(self.isa)
+            self._amx = amx_allowed() and bool(self.kernels.linear_amx_available())
+        return self._amx
+
+    def amx_for(self, weight: Any) -> bool:
+        """Whether this [N, K] weight takes the AMX kernel (bf16, K a multiple of 32), for every batch it streams."""
+        return str(weight.dtype) == "torch.bfloat16" and weight.shape[-1] % 32 == 0 and self.amx()
 
     def pack(self, weight: Any) -> Any:
         """The streaming copy of a [N, K] weight, or None (no rows, over budget)."""
@@ -180,11 +222,17 @@ def make_fused_gguf_linear(small: SmallGemm) -> Callable[..., Any]:
     ``SmallGemm.fused_gguf_pack``) -> [..., out] bfloat16."""
     import torch
 
+    fused_linear = None
+
     def linear(x: Any, weight: Any, bias: Any = None) -> Any:
+        nonlocal fused_linear
+        if fused_linear is None:
+            # the dense copy's kernel decides: AMX tiles there, AMX tiles here (GGUF K is a multiple of 32)
+            fused_linear = small.kernels.gguf_fused_linear_amx if small.amx() else small.kernels.gguf_fused_linear
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
         shape = x.shape
-        y = small.kernels.gguf_fused_linear(x.reshape(-1, shape[-1]), weight.fused, weight.code, weight.out_features, weight.in_features, bias)
+        y = fused_linear(x.reshape(-1, shape[-1]), weight.fused, weight.code, weight.out_features, weight.in_features, bias)
         return y.view(*shape[:-1], weight.out_features)
 
     return linear
@@ -194,7 +242,7 @@ class PackedLinear:
     """A weight in oneDNN's blocked layout (and, for few rows, in the
     streaming layout), with what linear needs to know."""
 
-    __slots__ = ("packed", "out_features", "in_features", "dtype", "small", "small_rows")
+    __slots__ = ("packed", "out_features", "in_features", "dtype", "small", "small_rows", "amx")
 
     def __init__(self, weight: Any, small: SmallGemm | None = None) -> None:
         import torch
@@ -205,8 +253,15 @@ class PackedLinear:
         # deterministic mode streams every batch: no oneDNN copy
         self.packed = None if small is not None and small.invariant else torch.ops.mkldnn._reorder_linear_weight(weight)
         self.small = small.pack(weight) if small is not None else None
-        #: batches of up to this many rows take the streaming kernel
-        self.small_rows = small.rows_for(weight.dtype) if self.small is not None else 0
+        #: the streaming copy runs on AMX tiles (linear_amx), else the vdpbf16ps/FMA kernel (linear_small)
+        self.amx = False
+        #: batches of up to this many rows take the streaming copy
+        self.small_rows = 0
+        if small is not None and self.small is not None:
+            self.amx = small.amx_for(weight)
+            self.small_rows = small.rows_for(weight.dtype)
+            if self.amx and not small.invariant and ROWS_ENV not in os.environ:
+                self.small_rows = AMX_ROWS
 
     def nbytes(self) -> int:
         return self.out_features * self.in_features * self.dtype.itemsize
@@ -233,10 +288,11 @@ def make_linear(reference_linear: Callable[..., Any], small: SmallGemm | None = 
     import torch
 
     mkldnn_linear = torch.ops.mkldnn._linear_pointwise
-    small_linear = None
+    small_linear: Any = None
+    amx_linear: Any = None
 
     def linear(x: Any, weight: Any, bias: Any = None) -> Any:
-        nonlocal small_linear
+        nonlocal small_linear, amx_linear
         if type(weight) is PackedLinear:
             if x.dtype != weight.dtype:
                 x = x.to(weight.dtype)
@@ -246,7 +302,9 @@ def make_linear(reference_linear: Callable[..., Any], small: SmallGemm | None = 
                 if small_linear is None:
                     assert small is not None and small.kernels is not None, "a streaming copy comes from small.pack"
                     small_linear = small.kernels.linear_small
-                y = small_linear(x2, weight.small, weight.out_features, weight.in_features, bias)
+                    amx_linear = small.kernels.linear_amx
+                kernel = amx_linear if weight.amx else small_linear
+                y = kernel(x2, weight.small, weight.out_features, weight.in_features, bias)
             else:
                 y = mkldnn_linear(x2, weight.packed, bias, "none", [], "")
             return y.view(*shape[:-1], weight.out_features)

@@ -39,7 +39,7 @@ X86_FLAGS = {
     "sse4_2": "-msse4.2", "avx": "-mavx", "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c",
     "avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512dq": "-mavx512dq",
     "avx512cd": "-mavx512cd", "avx512_bf16": "-mavx512bf16", "avx512_vnni": "-mavx512vnni",
-    "avx_vnni": "-mavxvnni",
+    "avx_vnni": "-mavxvnni", "amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16",
 }
 #: aarch64 extension -> its -march modifier
 ARM_EXTENSIONS = {"asimdhp": "fp16", "asimddp": "dotprod", "sve": "sve", "bf16": "bf16", "i8mm": "i8mm"}

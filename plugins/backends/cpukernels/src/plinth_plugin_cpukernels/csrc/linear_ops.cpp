@@ -37,6 +37,11 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PLINTH_LIN_AVX2 1
 #endif
+#if defined(PLINTH_LIN_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PLINTH_LIN_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -333,6 +338,82 @@ inline __m512i pair_rows(int base) {
                           base + 3, base + 2, base + 2, base + 1, base + 1, base, base);
 }
 
+// One 32-k block of NR records (rec[j], 16 output rows each) dequantized in
+// registers: step(kk, wv) gets, for kk = 0..15, NR pair vectors (kk's two k for
+// the 16 rows of each record), exactly the dense copy's pair line kk.
+template <int NR, int FMT, class Step>
+inline void gguf_block_pairs(const uint8_t* const* rec, Step&& step) {
+  const __m512i lo_rows = pair_rows(0), hi_rows = pair_rows(8);
+  // u -> float(u - offset): vpermps reads only an index's low 4 bits
+  const __m512 utab = FMT == GGUF_Q4_0
+                          ? _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8)
+                          : _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 dlo[NR], dhi[NR], mlo[NR], mhi[NR];
+  constexpr int64_t SCALES = FMT == GGUF_Q8_0 ? 512 : 256;
+  for (int j = 0; j < NR; ++j) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[j] + SCALES)));
+    dlo[j] = _mm512_permutexvar_ps(lo_rows, d);
+    dhi[j] = _mm512_permutexvar_ps(hi_rows, d);
+    if constexpr (FMT == GGUF_Q4_1) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[j] + SCALES + 32)));
+      mlo[j] = _mm512_permutexvar_ps(lo_rows, m);
+      mhi[j] = _mm512_permutexvar_ps(hi_rows, m);
+    } else {
+      mlo[j] = mhi[j] = _mm512_setzero_ps();
+    }
+  }
+  if constexpr (FMT == GGUF_Q8_0) {
+    for (int kk = 0; kk < 16; ++kk) {
+      __m512bh wv[NR];
+      for (int j = 0; j < NR; ++j) {
+        const __m128i* line = reinterpret_cast<const __m128i*>(rec[j] + 32 * kk);
+        const __m512 vlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line))), dlo[j]);
+        const __m512 vhi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 1))), dhi[j]);
+        wv[j] = _mm512_cvtne2ps_pbh(vhi, vlo);  // words 0-15 from vlo: rows 0-7's pairs, then rows 8-15's
+      }
+      step(kk, wv);
+    }
+  } else {
+    for (int c = 0; c < 2; ++c) {
+      __m512i qlo[NR], qhi[NR];
+      for (int j = 0; j < NR; ++j) {
+        qlo[j] = _mm512_loadu_si512(rec[j] + 128 * c);
+        qhi[j] = _mm512_loadu_si512(rec[j] + 128 * c + 64);
+      }
+      for (int p = 0; p < 8; ++p) {
+        __m512bh wv[NR];
+        for (int j = 0; j < NR; ++j) {
+          __m512 vlo = _mm512_permutexvar_ps(qlo[j], utab), vhi = _mm512_permutexvar_ps(qhi[j], utab);
+          if constexpr (FMT == GGUF_Q4_1) {
+            vlo = _mm512_fmadd_ps(vlo, dlo[j], mlo[j]);
+            vhi = _mm512_fmadd_ps(vhi, dhi[j], mhi[j]);
+          } else {
+            vlo = _mm512_mul_ps(vlo, dlo[j]);
+            vhi = _mm512_mul_ps(vhi, dhi[j]);
+          }
+          wv[j] = _mm512_cvtne2ps_pbh(vhi, vlo);
+          qlo[j] = _mm512_srli_epi32(qlo[j], 4);
+          qhi[j] = _mm512_srli_epi32(qhi[j], 4);
+        }
+        step(8 * c + p, wv);
+      }
+    }
+  }
+}
+
+// the records of the NEXT tile of NR blocks (NR * wstride on): into L1 when that tile is small, else L2
+template <int NR, int FMT>
+inline void gguf_prefetch_next(const uint8_t* const* rec, int64_t wstride) {
+  constexpr int64_t REC = FMT == GGUF_Q4_0 ? 288 : FMT == GGUF_Q4_1 ? 320 : 544;
+  for (int j = 0; j < NR; ++j) {
+    const char* next = reinterpret_cast<const char*>(rec[j] + NR * wstride);
+    for (int64_t off = 0; off < REC; off += 64) {
+      if (NR * wstride <= FUSED_PF_L1_BYTES) _mm_prefetch(next + off, _MM_HINT_T0);
+      else _mm_prefetch(next + off, _MM_HINT_T1);
+    }
+  }
+}
+
 template <int MR, int NR, int FMT>
 inline void ukernel_gguf(const uint16_t* xb, int64_t ldx, const uint8_t* w, int64_t wstride, int64_t nblk,
                          float* tile) {
@@ -340,78 +421,18 @@ inline void ukernel_gguf(const uint16_t* xb, int64_t ldx, const uint8_t* w, int6
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const __m512i lo_rows = pair_rows(0), hi_rows = pair_rows(8);
-  // u -> float(u - offset): vpermps reads only an index's low 4 bits
-  const __m512 utab = FMT == GGUF_Q4_0
-                          ? _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8)
-                          : _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t b = 0; b < nblk; ++b) {
     const uint8_t* rec[NR];
-    __m512 dlo[NR], dhi[NR], mlo[NR], mhi[NR];
-    constexpr int64_t SCALES = FMT == GGUF_Q8_0 ? 512 : 256;
-    for (int j = 0; j < NR; ++j) {
-      rec[j] = w + j * wstride + b * REC;
-      const char* next = reinterpret_cast<const char*>(rec[j] + NR * wstride);
-      for (int64_t off = 0; off < REC; off += 64) {
-        if (NR * wstride <= FUSED_PF_L1_BYTES) _mm_prefetch(next + off, _MM_HINT_T0);
-        else _mm_prefetch(next + off, _MM_HINT_T1);
-      }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[j] + SCALES)));
-      dlo[j] = _mm512_permutexvar_ps(lo_rows, d);
-      dhi[j] = _mm512_permutexvar_ps(hi_rows, d);
-      if constexpr (FMT == GGUF_Q4_1) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[j] + SCALES + 32)));
-        mlo[j] = _mm512_permutexvar_ps(lo_rows, m);
-        mhi[j] = _mm512_permutexvar_ps(hi_rows, m);
-      } else {
-        mlo[j] = mhi[j] = _mm512_setzero_ps();
-      }
-    }
-    auto step = [&](int64_t kk, const __m512bh* wv) {
+    for (int j = 0; j < NR; ++j) rec[j] = w + j * wstride + b * REC;
+    gguf_prefetch_next<NR, FMT>(rec, wstride);
+    gguf_block_pairs<NR, FMT>(rec, [&](int kk, const __m512bh* wv) {
       for (int i = 0; i < MR; ++i) {
         int32_t pair;
-        std::memcpy(&pair, xb + i * ldx + 2 * kk, 4);
+        std::memcpy(&pair, xb + i * ldx + 2 * (16 * b + kk), 4);
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
         for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
       }
-    };
-    if constexpr (FMT == GGUF_Q8_0) {
-      for (int kk = 0; kk < 16; ++kk) {
-        __m512bh wv[NR];
-        for (int j = 0; j < NR; ++j) {
-          const __m128i* line = reinterpret_cast<const __m128i*>(rec[j] + 32 * kk);
-          const __m512 vlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line))), dlo[j]);
-          const __m512 vhi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 1))), dhi[j]);
-          wv[j] = _mm512_cvtne2ps_pbh(vhi, vlo);  // words 0-15 from vlo: rows 0-7's pairs, then rows 8-15's
-        }
-        step(16 * b + kk, wv);
-      }
-    } else {
-      for (int c = 0; c < 2; ++c) {
-        __m512i qlo[NR], qhi[NR];
-        for (int j = 0; j < NR; ++j) {
-          qlo[j] = _mm512_loadu_si512(rec[j] + 128 * c);
-          qhi[j] = _mm512_loadu_si512(rec[j] + 128 * c + 64);
-        }
-        for (int p = 0; p < 8; ++p) {
-          __m512bh wv[NR];
-          for (int j = 0; j < NR; ++j) {
-            __m512 vlo = _mm512_permutexvar_ps(qlo[j], utab), vhi = _mm512_permutexvar_ps(qhi[j], utab);
-            if constexpr (FMT == GGUF_Q4_1) {
-              vlo = _mm512_fmadd_ps(vlo, dlo[j], mlo[j]);
-              vhi = _mm512_fmadd_ps(vhi, dhi[j], mhi[j]);
-            } else {
-              vlo = _mm512_mul_ps(vlo, dlo[j]);
-              vhi = _mm512_mul_ps(vhi, dhi[j]);
-            }
-            wv[j] = _mm512_cvtne2ps_pbh(vhi, vlo);
-            qlo[j] = _mm512_srli_epi32(qlo[j], 4);
-            qhi[j] = _mm512_srli_epi32(qhi[j], 4);
-          }
-          step(16 * b + 8 * c + p, wv);
-        }
-      }
-    }
+    });
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) _mm512_storeu_ps(tile + i * NR * 16 + j * 16, acc[i][j]);
@@ -429,6 +450,106 @@ inline void fused_group(const uint16_t* xb, int64_t ldx, int mr, const uint8_t* 
                         int nr, float* tile) {
   if (mr == MR) return fused_blocks<MR, fused_nr_for(FMT, MR), FMT>(xb, ldx, w, wstride, nblk, nr, tile);
   if constexpr (MR > 1) return fused_group<MR - 1, FMT>(xb, ldx, mr, w, wstride, nblk, nr, tile);
+}
+#endif
+
+
+// ---------------------------------------------------------------- AMX (bf16 weights, K a multiple of 32)
+// The same packed layout feeds Intel AMX: 16 consecutive pair lines of a block
+// ([K2][16][2], 64 bytes each) are exactly a TDPBF16PS B tile (16 k-pair rows x
+// 16 outputs), and 32 k of up to 16 activation rows its A tile. Each output
+// keeps one fp32 accumulator (a C tile row) over K in order, tile after tile,
+// whatever the number of rows: a row's result depends on its own data only,
+// so the kernel is batch-invariant like the streaming one, and on CPUs with
+// AMX it is several times faster from a few rows up (bench/small_gemm.py).
+// Its bits are not the vdpbf16ps kernel's (another order inside a tile): a
+// weight takes one of the two for every batch in deterministic mode.
+// Linux grants the tile registers on request (arch_prctl, once per process).
+#if defined(PLINTH_LIN_AMX)
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: C (4 blocks of 16 outputs), 4: A (rows x 32 k), 5-7: B
+inline void amx_configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) { cfg.rows[t] = uint8_t(rows); cfg.colsb[t] = 64; }
+  cfg.rows[4] = uint8_t(rows); cfg.colsb[4] = 64;
+  for (int t = 5; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+// C[rows][NT*16] (row stride NT*16 floats) = x rows . NT blocks over K2 pair lines (K2 % 16 == 0)
+template <int NT>
+inline void amx_blocks(const uint16_t* x, int64_t ldx_bytes, const uint16_t* w, int64_t wstride, int64_t K2, float* c,
+                       bool prefetch) {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NT > 3) _tile_zero(3);
+  for (int64_t kk = 0; kk < K2; kk += 16) {
+    _tile_loadd(4, x + 2 * kk, ldx_bytes);
+    const uint16_t* wk = w + kk * 32;
+    // the weight streams: its lines PF_LINES ahead in each block (few rows leave the tile unit idle on memory)
+    if (prefetch)  // the first row tile; the next ones find the lines in cache
+      for (int j = 0; j < NT; ++j)
+        for (int l = 0; l < 16; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(wk + j * wstride + (PF_LINES + l) * 32), _MM_HINT_T0);
+    _tile_loadd(5, wk, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NT > 1) { _tile_loadd(6, wk + wstride, 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (NT > 2) { _tile_loadd(7, wk + 2 * wstride, 64); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (NT > 3) { _tile_loadd(5, wk + 3 * wstride, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  const int64_t ldc = NT * 64;  // bytes
+  _tile_stored(0, c, ldc);
+  if constexpr (NT > 1) _tile_stored(1, c + 16, ldc);
+  if constexpr (NT > 2) _tile_stored(2, c + 32, ldc);
+  if constexpr (NT > 3) _tile_stored(3, c + 48, ldc);
+}
+
+// The fused GGUF records on AMX: each 32-k block of NT records is dequantized
+// in registers (gguf_block_pairs, the dense copy's exact bf16 pairs) into a
+// 1 KB B tile per record, so the results are bit-identical to amx_blocks on
+// the dense copy (the same tiles in the same order) for every batch.
+template <int NT, int FMT>
+inline void amx_fused_blocks(const uint16_t* x, int64_t ldx_bytes, const uint8_t* w, int64_t wstride, int64_t nblk,
+                             float* c) {
+  constexpr int64_t REC = FMT == GGUF_Q4_0 ? 288 : FMT == GGUF_Q4_1 ? 320 : 544;
+  alignas(64) uint16_t bt[NT][16 * 32];
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NT > 3) _tile_zero(3);
+  for (int64_t b = 0; b < nblk; ++b) {
+    const uint8_t* rec[NT];
+    for (int j = 0; j < NT; ++j) rec[j] = w + j * wstride + b * REC;
+    gguf_prefetch_next<NT, FMT>(rec, wstride);
+    gguf_block_pairs<NT, FMT>(rec, [&](int kk, const __m512bh* wv) {
+      for (int j = 0; j < NT; ++j) _mm512_store_si512(bt[j] + 32 * kk, (__m512i)wv[j]);
+    });
+    _tile_loadd(4, x + 32 * b, ldx_bytes);
+    _tile_loadd(5, bt[0], 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NT > 1) { _tile_loadd(6, bt[1], 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (NT > 2) { _tile_loadd(7, bt[2], 64); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (NT > 3) { _tile_loadd(5, bt[3], 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  const int64_t ldc = NT * 64;
+  _tile_stored(0, c, ldc);
+  if constexpr (NT > 1) _tile_stored(1, c + 16, ldc);
+  if constexpr (NT > 2) _tile_stored(2, c + 32, ldc);
+  if constexpr (NT > 3) _tile_stored(3, c + 48, ldc);
+}
+
+bool amx_granted() {
+  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): process-wide, idempotent
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
 }
 #endif
 
@@ -550,6 +671,109 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor packed, int64_t N, int
     }
   });
   return y;
+}
+
+
+// whether linear_amx runs here: an AMX build on a CPU and kernel that grant the tiles
+bool linear_amx_available() {
+#if defined(PLINTH_LIN_AMX)
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
+#if defined(PLINTH_LIN_AMX)
+namespace {
+// y [M, N] bf16 = x [M, K] bf16 times a weight of NB blocks (+ bias) on AMX tiles:
+// groups of 4 blocks split over the threads, 16-row tiles of x (rows past M
+// zero; each row's result is its own). blocks(nt, x rows, group index, C, first row tile)
+template <class Blocks>
+torch::Tensor amx_linear_rows(const char* name, torch::Tensor x, int64_t N, int64_t K, const c10::optional<torch::Tensor>& bias,
+                              Blocks&& blocks) {
+  TORCH_CHECK(amx_granted(), name, ": the kernel does not grant this process AMX tiles");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16, name, ": x must be bfloat16 [M, K]");
+  TORCH_CHECK(K % 32 == 0, name, ": K must be a multiple of 32");
+  const int64_t M = x.size(0), NB = (N + BLK - 1) / BLK;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t rows = M <= 16 ? M : 16, Mp = (M + rows - 1) / rows * rows;
+  torch::Tensor xs = (Mp == M) ? x.contiguous() : torch::constant_pad_nd(x, {0, 0, 0, Mp - M}, 0).contiguous();
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  torch::Tensor bias_f;
+  const float* bptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, name, ": bias must have N elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+    bptr = bias_f.data_ptr<float>();
+  }
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  constexpr int64_t NT = 4;  // blocks per group: C tiles 0-3
+  at::parallel_for(0, (NB + NT - 1) / NT, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float c[16 * NT * 16];
+    amx_configure(int(rows));
+    for (int64_t g = g0; g < g1; ++g) {
+      const int nt = int(std::min<int64_t>(NT, NB - g * NT));
+      for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        blocks(nt, xb + m0 * K, g * NT, c, m0 == 0);
+        store_tile(c, int(std::min<int64_t>(rows, M - m0)), nt * 16, g * NT * BLK, N, bptr, yp + m0 * N, N);
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+}  // namespace
+#endif
+
+// x [M, K] bfloat16 times a bf16 weight from linear_pack (+ bias) -> [M, N] bfloat16, on AMX tiles;
+// K must be a multiple of 32. Batch-invariant; not bit-identical to linear_small.
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K, c10::optional<torch::Tensor> bias) {
+#if defined(PLINTH_LIN_AMX)
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "linear_amx: the weight must be bfloat16");
+  const int64_t K2 = K / 2, wstride = K2 * 32;
+  TORCH_CHECK(packed.numel() == (N + BLK - 1) / BLK * wstride, "linear_amx: packed weight does not match N, K");
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  return amx_linear_rows("linear_amx", x, N, K, bias, [&](int nt, const uint16_t* xr, int64_t nb, float* c, bool first) {
+    const uint16_t* wg = w + nb * wstride;
+    if (nt == 4) amx_blocks<4>(xr, K * 2, wg, wstride, K2, c, first);
+    else if (nt == 3) amx_blocks<3>(xr, K * 2, wg, wstride, K2, c, first);
+    else if (nt == 2) amx_blocks<2>(xr, K * 2, wg, wstride, K2, c, first);
+    else amx_blocks<1>(xr, K * 2, wg, wstride, K2, c, first);
+  });
+#else
+  (void)x; (void)packed; (void)N; (void)K; (void)bias;
+  TORCH_CHECK(false, "linear_amx: this build (", linear_kernel_path(), ") has no AMX kernel: see linear_amx_available()");
+#endif
+}
+
+// x [M, K] bfloat16 times the fused records of a [N, K] GGUF weight (+ bias) on AMX tiles -> [M, N]
+// bfloat16, bit-identical to linear_amx(x, linear_pack(gguf_dequantize(w, bf16=True)), N, K, bias)
+torch::Tensor gguf_fused_linear_amx(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N, int64_t K,
+                                    c10::optional<torch::Tensor> bias) {
+#if defined(PLINTH_LIN_AMX)
+  TORCH_CHECK(fmt == GGUF_Q4_0 || fmt == GGUF_Q4_1 || fmt == GGUF_Q8_0, "gguf_fused_linear_amx: Q4_0, Q4_1 or Q8_0 only, got format ", fmt);
+  const int64_t nblk = K / 32, wstride = nblk * fused_record_bytes(int(fmt));
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == (N + BLK - 1) / BLK * wstride,
+              "gguf_fused_linear_amx: packed records do not match N, K");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  return amx_linear_rows("gguf_fused_linear_amx", x, N, K, bias, [&](int nt, const uint16_t* xr, int64_t nb, float* c, bool) {
+    const uint8_t* wg = w + nb * wstride;
+    auto run = [&](auto fmt_tag) {
+      constexpr int F = decltype(fmt_tag)::value;
+      if (nt == 4) amx_fused_blocks<4, F>(xr, K * 2, wg, wstride, nblk, c);
+      else if (nt == 3) amx_fused_blocks<3, F>(xr, K * 2, wg, wstride, nblk, c);
+      else if (nt == 2) amx_fused_blocks<2, F>(xr, K * 2, wg, wstride, nblk, c);
+      else amx_fused_blocks<1, F>(xr, K * 2, wg, wstride, nblk, c);
+    };
+    if (fmt == GGUF_Q4_0) run(std::integral_constant<int, GGUF_Q4_0>{});
+    else if (fmt == GGUF_Q4_1) run(std::integral_constant<int, GGUF_Q4_1>{});
+    else run(std::integral_constant<int, GGUF_Q8_0>{});
+  });
+#else
+  (void)x; (void)packed; (void)fmt; (void)N; (void)K; (void)bias;
+  TORCH_CHECK(false, "gguf_fused_linear_amx: this build (", linear_kernel_path(), ") has no AMX kernel: see linear_amx_available()");
+#endif
 }
 
 // ---------------------------------------------------------------- fused GGUF entry points
