@@ -141,3 +141,38 @@ def reference_logprobs(path: str, tokens: list[int]):
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits[0].float()
     return torch.log_softmax(logits, -1)
+
+
+def assert_greedy_equal_up_to_near_ties(
+    got: list[list[int]], want: list[list[int]], want_logprobs: list[list], *, margin: float, got_logprobs: list[list] | None = None
+) -> None:
+    """``got`` gives ``want``'s greedy tokens, except that a sequence may part
+    from ``want`` where ``want``'s two most likely tokens were within
+    ``margin`` (logprob) and ``got`` took the other one of them; it is not
+    compared after that. Two correct paths that add in another order
+    (another kernel, a sum over ranks) round differently, and a near-tie is
+    where that shows: on one CPU the paths agree, on another (seen: AMD EPYC
+    against an Intel Xeon with AMX and AVX512-FP16) a token parts. A parting
+    anywhere else fails. With ``got_logprobs``, every token before a parting
+    must also have ``want``'s logprob within ``margin / 2``: the two paths
+    agree in their numbers, not only in their argmax. Logprobs: a run's
+    ``outputs[0].logprobs`` with at least the top 2 (``SamplingParams(logprobs=2)``)."""
+    assert len(got) == len(want) == len(want_logprobs)
+    for n, (g, w, lps) in enumerate(zip(got, want, want_logprobs)):
+        assert len(g) == len(w), f"sequence {n}: {len(g)} tokens, want {len(w)}"
+        parted = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(g))
+        if got_logprobs is not None:
+            for i in range(parted):
+                diff = abs(got_logprobs[n][i].logprob - lps[i].logprob)
+                assert diff <= margin / 2, f"sequence {n}, token {i} ({g[i]}): logprob {got_logprobs[n][i].logprob:.4f}, want {lps[i].logprob:.4f}"
+        if parted == len(g):
+            continue
+        top = lps[parted].top
+        assert len(top) >= 2, "the reference run needs SamplingParams(logprobs=2)"
+        first, second = sorted(top, key=lambda lp: -lp.logprob)[:2]
+        gap = first.logprob - second.logprob
+        assert {w[parted], g[parted]} == {first.token_id, second.token_id} and gap <= margin, (
+            f"sequence {n} parts at token {parted}: got {g[parted]}, want {w[parted]}, and that is no near-tie "
+            f"(want's top two: {first.token_id} {first.logprob:.4f}, {second.token_id} {second.logprob:.4f}; margin {margin})\n"
+            f"got  {g}\nwant {w}"
+        )

@@ -33,9 +33,16 @@ from plinth_plugin_cpukernels.quant import (
     gguf_kernel_path,
 )
 
-#: deterministic mode's measured cost (bench/serve_compare.py, SmolLM2-135M GGUF, bf16; docs/benchmarks.md)
-AMX_COST = "TODO"
-NO_AMX_COST = "TODO"
+#: deterministic mode's measured cost on the serving benchmark (bench/serve_compare.py, SmolLM2-135M
+#: Q4_1 GGUF, bf16, 2 quiet cores; docs/benchmarks.md "Deterministic mode's cost")
+AMX_COST = (
+    "measured no cost with AMX: 1.10x the default's output tok/s at concurrency 1 and 1.11x at 16 "
+    "(SmolLM2 GGUF, bf16, Intel Xeon with AMX, 2 cores)"
+)
+NO_AMX_COST = (
+    "measured 1.61x the default's time at concurrency 1 without AMX "
+    "(SmolLM2 GGUF, bf16, AMD EPYC Zen 4 with AVX512-BF16, 2 cores; before the fused GGUF kernel)"
+)
 #: oneDNN runs bfloat16 GEMMs only with one of these (torch checks the same
 #: before its bf16 path and raises otherwise): AVX-512 BW+VL+DQ, AVX-NE-CONVERT
 #: on x86, the BF16 extension on aarch64
@@ -117,7 +124,7 @@ class CPUKernelsBackend(Backend):
             return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=integer, **mode)
         # deterministic mode: one path per weight for every batch (ops() below, quant.GGUFOps)
         if str(ctx.dtype) == "torch.bfloat16" and {"avx512_bf16", "avx512bw"} <= set(isa):
-            tiles = " on AMX tiles" if {"amx_tile", "amx_bf16"} <= set(isa) and amx_allowed() else ""
+            tiles = "; both on AMX tiles" if {"amx_tile", "amx_bf16"} <= set(isa) and amx_allowed() else ""
             small = f"up to {fused_gguf_rows()} rows the fused kernel on the blocks where it has the format (bit-identical), more rows the copy{tiles}"
         else:
             small = "every batch on the copy"
