@@ -16,7 +16,7 @@ from plinth.api import QuantizedWeight, SelectionContext, load_accelerator
 from plinth.testing import op_table
 from plinth_plugin_cpukernels.backend import accelerator_isa, bf16_gemm_missing
 from plinth_plugin_cpukernels.gemm import AMX_ENV, FUSED_GGUF_ROWS, SmallGemm, linear_kernel_path, load_linear_kernels
-from plinth_plugin_cpukernels.quant import GGUF_FORMATS, load_quant_kernels
+from plinth_plugin_cpukernels.quant import GEMM_MIN_ROWS, GGUF_FORMATS, load_quant_kernels
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_quant import random_blocks  # noqa: E402
@@ -117,10 +117,39 @@ def test_avx2_build_does_not_offer_it():
     assert SmallGemm(AVX2, invariant=True).fused_gguf_pack(blocks, 1, 20, 64) is None
 
 
-def test_only_deterministic_mode_takes_it():
-    small = SmallGemm(NATIVE)
-    assert small.fused_gguf_rows == 0 and small.fused_gguf_pack(_blocks("Q4_1", 20, 64, seed=0), 1, 20, 64) is None
+def test_the_default_mode_takes_it_on_amx_tiles_only(monkeypatch):
+    """Deterministic mode always (where the build has it); the default mode
+    only where the records run on AMX tiles, which beat the integer kernel."""
+    blocks = _blocks("Q4_1", 20, 64, seed=0)
     assert SmallGemm(NATIVE, invariant=True).fused_gguf_rows == FUSED_GGUF_ROWS
+    small = SmallGemm(NATIVE)
+    assert (small.fused_gguf_pack(blocks, 1, 20, 64) is not None) == small.amx()
+    monkeypatch.setenv(AMX_ENV, "0")
+    assert SmallGemm(NATIVE).fused_gguf_pack(blocks, 1, 20, 64) is None
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+def test_default_mode_runs_small_batches_on_the_records_with_amx(name):
+    """Default mode, bf16, on AMX tiles: up to GEMM_MIN_ROWS - 1 rows on the
+    fused records (the same bits as the AMX kernel on the records), more on
+    the dense copy; without AMX the records are not kept."""
+    if bf16_gemm_missing(accelerator_isa(SelectionContext(accelerator=CPU))):
+        pytest.skip("this CPU cannot run oneDNN bf16 GEMMs: cpukernels leaves bf16 linear to the reference")
+    ops = op_table(SelectionContext(accelerator=CPU, dtype=torch.bfloat16), "cpukernels")
+    n, k = 100, 512
+    blocks, _ = random_blocks(name, n, k)
+    weight = ops.pack_linear(QuantizedWeight(format=f"gguf_{name.lower()}", qweight=blocks, scale=torch.empty(0), shape=(n, k), block_size=(1, 32)))
+    assert weight.dense is not None
+    if not SmallGemm(NATIVE).amx():
+        assert weight.fused is None
+        return
+    lin = load_linear_kernels(NATIVE)
+    torch.manual_seed(0)
+    for m in (1, GEMM_MIN_ROWS - 1):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        assert torch.equal(ops.linear(x, weight), lin.gguf_fused_linear_amx(x, weight.fused, weight.code, n, k, None))
+    x = torch.randn(GEMM_MIN_ROWS, k).to(torch.bfloat16)  # the dense copy: the AMX kernel up to 32 rows, the same bits
+    assert torch.equal(ops.linear(x, weight), lin.gguf_fused_linear_amx(x, weight.fused, weight.code, n, k, None))
 
 
 @pytest.mark.parametrize("amx", ["", "0"], ids=["amx-if-here", "amx-off"])

@@ -65,14 +65,18 @@ def bf16_gemm_missing(isa: tuple[str, ...]) -> str | None:
     )
 
 
+def amx_tiles(isa: tuple[str, ...]) -> bool:
+    """Whether the linear kernels' build for ``isa`` runs bf16 on AMX tiles (and PLINTH_CPU_AMX leaves it on)."""
+    return {"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"} <= set(isa) and amx_allowed()
+
+
 def deterministic_default(isa: tuple[str, ...], dtype: Any) -> tuple[bool, str]:
     """Whether deterministic mode is on by default here, and the measurement
     behind it (docs/benchmarks.md, "Deterministic mode's cost"): on with
     bfloat16 on CPUs with AMX tiles, where every linear runs batch-invariant
     on them (gemm.py) at the default's speed; off elsewhere, where the
     streaming kernel replaces oneDNN for large batches."""
-    amx = {"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"} <= set(isa) and amx_allowed()
-    if str(dtype) == "torch.bfloat16" and amx:
+    if str(dtype) == "torch.bfloat16" and amx_tiles(isa):
         return True, AMX_COST
     if str(dtype) == "torch.bfloat16":
         return False, NO_AMX_COST
@@ -120,11 +124,14 @@ class CPUKernelsBackend(Backend):
         integer = f"integer dot products on the blocks, {gguf_kernel_path(isa)}"
         on, why = deterministic_default(isa, ctx.dtype)
         mode = {"deterministic_default": on, "deterministic_why": why}
+        amx = amx_tiles(isa)
         if not ctx.deterministic:
+            if str(ctx.dtype) == "torch.bfloat16" and amx:  # the fused records on AMX tiles beat the integer kernel
+                integer = f"up to {GEMM_MIN_ROWS - 1} rows the fused kernel on AMX tiles where it has the format, else {integer}"
             return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=integer, **mode)
         # deterministic mode: one path per weight for every batch (ops() below, quant.GGUFOps)
         if str(ctx.dtype) == "torch.bfloat16" and {"avx512_bf16", "avx512bw"} <= set(isa):
-            tiles = "; both on AMX tiles" if {"amx_tile", "amx_bf16"} <= set(isa) and amx_allowed() else ""
+            tiles = "; both on AMX tiles" if amx else ""
             small = f"up to {fused_gguf_rows()} rows the fused kernel on the blocks where it has the format (bit-identical), more rows the copy{tiles}"
         else:
             small = "every batch on the copy"
@@ -170,9 +177,10 @@ class CPUKernelsBackend(Backend):
             bf16_dense = str(dense_dtype) == "torch.bfloat16"
             gguf = GGUFOps(isa, bf16_gemm, dense_pack=dense_pack, dense_dtype=dense_dtype, invariant=invariant, fused_pack=fused_pack if bf16_dense else None)
             # deterministic mode: a GGUF weight with a dense copy streams it for every batch (quant.py),
-            # up to fused_rows rows through the fused kernel on its blocks (bit-identical, gemm.py)
+            # up to fused_rows rows through the fused kernel on its blocks (bit-identical, gemm.py);
+            # the default mode: records only on AMX tiles (gemm.py), below the dense copy's rows
             dense_rows = 0 if invariant else GEMM_MIN_ROWS
-            fused_rows = small.fused_gguf_rows
+            fused_rows = small.fused_gguf_rows if invariant else GEMM_MIN_ROWS - 1
             fused_linear = make_fused_gguf_linear(small)
 
             def pack(weight: Any) -> Any:

@@ -214,8 +214,8 @@ class GGUFOps:
         if invariant and os.environ.get(DETERMINISTIC_PATH_ENV, "dense") == "integer":
             dense_pack = dense_dtype = None
         self.dense_pack, self.dense_dtype = dense_pack, dense_dtype
-        #: deterministic mode: a weight's records for the fused kernel, beside its dense copy
-        self.fused_pack = fused_pack if invariant else None
+        #: a weight's records for the fused kernel, beside its dense copy (``fused_pack`` decides where)
+        self.fused_pack = fused_pack
         self.dense_budget: int | None = None
         self._kernels: Any = None
         self._linear: Callable[..., Any] | None = None
