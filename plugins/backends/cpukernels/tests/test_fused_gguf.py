@@ -44,24 +44,35 @@ def _blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
     return blocks
 
 
-@pytest.mark.skipif(not NATIVE_HAS_IT, reason="the fused kernel needs the AVX512-BF16 build (this CPU lacks avx512_bf16 or avx512bw)")
-@pytest.mark.parametrize("name", FORMATS)
-def test_fused_equals_the_dense_streaming_kernel(name):
-    lin, quant = load_linear_kernels(NATIVE), load_quant_kernels(NATIVE)
+def _check_fused_equals_dense(lin, name: str, dense_linear, fused_linear, rows: list[int]):
+    """For each shape: ``fused_linear`` on the records gives ``dense_linear``'s
+    bits on the dense copy (with and without bias); returns each shape's (N, K, blocks, records)."""
+    quant = load_quant_kernels(NATIVE)
     code = GGUF_FORMATS[name][0]
-    assert code in list(lin.gguf_fused_formats())
+    packed = []
     for i, (n, k) in enumerate(SHAPES):
         blocks = _blocks(name, n, k, seed=i)
         dense = lin.linear_pack(quant.gguf_dequantize(blocks, code, k, 0, n, True))
         fused = lin.gguf_fused_pack(blocks, code, n, k)
         torch.manual_seed(i)
         bias = torch.randn(n).to(torch.bfloat16)
-        for m in ROWS:
+        for m in rows:
             x = (torch.randn(m, k) * 3).to(torch.bfloat16)
             for b in (None, bias):
-                want = lin.linear_small(x, dense, n, k, b)
-                got = lin.gguf_fused_linear(x, fused, code, n, k, b)
+                want = dense_linear(x, dense, n, k, b)
+                got = fused_linear(x, fused, code, n, k, b)
                 assert torch.equal(got, want), f"{name} N={n} K={k} M={m} bias={b is not None}: max diff {(got.float() - want.float()).abs().max()}"
+        packed.append((n, k, blocks, fused))
+    return packed
+
+
+@pytest.mark.skipif(not NATIVE_HAS_IT, reason="the fused kernel needs the AVX512-BF16 build (this CPU lacks avx512_bf16 or avx512bw)")
+@pytest.mark.parametrize("name", FORMATS)
+def test_fused_equals_the_dense_streaming_kernel(name):
+    lin, quant = load_linear_kernels(NATIVE), load_quant_kernels(NATIVE)
+    code = GGUF_FORMATS[name][0]
+    assert code in list(lin.gguf_fused_formats())
+    for n, k, blocks, fused in _check_fused_equals_dense(lin, name, lin.linear_small, lin.gguf_fused_linear, ROWS):
         # and it is the weight: against F.linear on the dense copy, to bf16 rounding
         x = torch.randn(3, k).to(torch.bfloat16)
         ref = torch.nn.functional.linear(x.float(), quant.gguf_dequantize(blocks, code, k, 0, n, True).float())
@@ -73,23 +84,11 @@ def test_fused_amx_equals_the_dense_amx_kernel():
     the AMX kernel on the dense copy, so deterministic mode splits batches
     between the two there too."""
     lin = amx_kernels()
-    quant = load_quant_kernels(NATIVE)
     for name in FORMATS:
-        code = GGUF_FORMATS[name][0]
-        for i, (n, k) in enumerate(SHAPES):
-            blocks = _blocks(name, n, k, seed=i)
-            dense = lin.linear_pack(quant.gguf_dequantize(blocks, code, k, 0, n, True))
-            fused = lin.gguf_fused_pack(blocks, code, n, k)
-            torch.manual_seed(i)
-            bias = torch.randn(n).to(torch.bfloat16)
-            for m in ROWS + [17, 33]:
-                x = (torch.randn(m, k) * 3).to(torch.bfloat16)
-                for b in (None, bias):
-                    want = lin.linear_amx(x, dense, n, k, b)
-                    got = lin.gguf_fused_linear_amx(x, fused, code, n, k, b)
-                    assert torch.equal(got, want), f"{name} N={n} K={k} M={m}: max diff {(got.float() - want.float()).abs().max()}"
+        packed = _check_fused_equals_dense(lin, name, lin.linear_amx, lin.gguf_fused_linear_amx, ROWS + [17, 33])
+    fused = packed[-1][3]
     with pytest.raises(RuntimeError, match="do not match"):
-        lin.gguf_fused_linear_amx(torch.randn(2, 64).bfloat16(), fused, code, 40, 64, None)
+        lin.gguf_fused_linear_amx(torch.randn(2, 64).bfloat16(), fused, GGUF_FORMATS[FORMATS[-1]][0], 40, 64, None)
 
 
 @pytest.mark.skipif(not NATIVE_HAS_IT, reason="the fused kernel needs the AVX512-BF16 build")

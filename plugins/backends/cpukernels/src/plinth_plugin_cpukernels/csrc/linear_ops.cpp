@@ -319,7 +319,7 @@ inline void store_tile(const float* tile, int nrow, int ncol_tile, int64_t n0, i
 constexpr int GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2;
 
 inline int64_t gguf_block_bytes(int fmt) { return fmt == GGUF_Q4_0 ? 18 : fmt == GGUF_Q4_1 ? 20 : 34; }
-inline int64_t fused_record_bytes(int fmt) { return fmt == GGUF_Q4_0 ? 288 : fmt == GGUF_Q4_1 ? 320 : 544; }
+constexpr int64_t fused_record_bytes(int fmt) { return fmt == GGUF_Q4_0 ? 288 : fmt == GGUF_Q4_1 ? 320 : 544; }
 
 #if defined(PLINTH_LIN_AVX512BF16)
 constexpr int FUSED_MG = 8;  // rows per group
@@ -404,7 +404,7 @@ inline void gguf_block_pairs(const uint8_t* const* rec, Step&& step) {
 // the records of the NEXT tile of NR blocks (NR * wstride on): into L1 when that tile is small, else L2
 template <int NR, int FMT>
 inline void gguf_prefetch_next(const uint8_t* const* rec, int64_t wstride) {
-  constexpr int64_t REC = FMT == GGUF_Q4_0 ? 288 : FMT == GGUF_Q4_1 ? 320 : 544;
+  constexpr int64_t REC = fused_record_bytes(FMT);
   for (int j = 0; j < NR; ++j) {
     const char* next = reinterpret_cast<const char*>(rec[j] + NR * wstride);
     for (int64_t off = 0; off < REC; off += 64) {
@@ -417,7 +417,7 @@ inline void gguf_prefetch_next(const uint8_t* const* rec, int64_t wstride) {
 template <int MR, int NR, int FMT>
 inline void ukernel_gguf(const uint16_t* xb, int64_t ldx, const uint8_t* w, int64_t wstride, int64_t nblk,
                          float* tile) {
-  constexpr int64_t REC = FMT == GGUF_Q4_0 ? 288 : FMT == GGUF_Q4_1 ? 320 : 544;
+  constexpr int64_t REC = fused_record_bytes(FMT);
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -483,14 +483,40 @@ inline void amx_configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// C[rows][NT*16] (row stride NT*16 floats) = x rows . NT blocks over K2 pair lines (K2 % 16 == 0)
+// C tiles 0..NT-1 += the A tile (4) times NT B tiles of 16 pair lines at b, b + bstride, ... (elements);
+// B tiles take 5-7 in turn (the fourth reuses 5)
 template <int NT>
-inline void amx_blocks(const uint16_t* x, int64_t ldx_bytes, const uint16_t* w, int64_t wstride, int64_t K2, float* c,
-                       bool prefetch) {
+inline void amx_dot_b(const uint16_t* b, int64_t bstride) {
+  _tile_loadd(5, b, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  if constexpr (NT > 1) { _tile_loadd(6, b + bstride, 64); _tile_dpbf16ps(1, 4, 6); }
+  if constexpr (NT > 2) { _tile_loadd(7, b + 2 * bstride, 64); _tile_dpbf16ps(2, 4, 7); }
+  if constexpr (NT > 3) { _tile_loadd(5, b + 3 * bstride, 64); _tile_dpbf16ps(3, 4, 5); }
+}
+
+template <int NT>
+inline void amx_zero_c() {
   _tile_zero(0);
   if constexpr (NT > 1) _tile_zero(1);
   if constexpr (NT > 2) _tile_zero(2);
   if constexpr (NT > 3) _tile_zero(3);
+}
+
+// C tiles 0..NT-1 -> c [rows][NT * 16] fp32
+template <int NT>
+inline void amx_store_c(float* c) {
+  const int64_t ldc = NT * 64;  // bytes
+  _tile_stored(0, c, ldc);
+  if constexpr (NT > 1) _tile_stored(1, c + 16, ldc);
+  if constexpr (NT > 2) _tile_stored(2, c + 32, ldc);
+  if constexpr (NT > 3) _tile_stored(3, c + 48, ldc);
+}
+
+// C[rows][NT*16] (row stride NT*16 floats) = x rows . NT blocks over K2 pair lines (K2 % 16 == 0)
+template <int NT>
+inline void amx_blocks(const uint16_t* x, int64_t ldx_bytes, const uint16_t* w, int64_t wstride, int64_t K2, float* c,
+                       bool prefetch) {
+  amx_zero_c<NT>();
   for (int64_t kk = 0; kk < K2; kk += 16) {
     _tile_loadd(4, x + 2 * kk, ldx_bytes);
     const uint16_t* wk = w + kk * 32;
@@ -499,17 +525,9 @@ inline void amx_blocks(const uint16_t* x, int64_t ldx_bytes, const uint16_t* w, 
       for (int j = 0; j < NT; ++j)
         for (int l = 0; l < 16; ++l)
           _mm_prefetch(reinterpret_cast<const char*>(wk + j * wstride + (PF_LINES + l) * 32), _MM_HINT_T0);
-    _tile_loadd(5, wk, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (NT > 1) { _tile_loadd(6, wk + wstride, 64); _tile_dpbf16ps(1, 4, 6); }
-    if constexpr (NT > 2) { _tile_loadd(7, wk + 2 * wstride, 64); _tile_dpbf16ps(2, 4, 7); }
-    if constexpr (NT > 3) { _tile_loadd(5, wk + 3 * wstride, 64); _tile_dpbf16ps(3, 4, 5); }
+    amx_dot_b<NT>(wk, wstride);
   }
-  const int64_t ldc = NT * 64;  // bytes
-  _tile_stored(0, c, ldc);
-  if constexpr (NT > 1) _tile_stored(1, c + 16, ldc);
-  if constexpr (NT > 2) _tile_stored(2, c + 32, ldc);
-  if constexpr (NT > 3) _tile_stored(3, c + 48, ldc);
+  amx_store_c<NT>(c);
 }
 
 // The fused GGUF records on AMX: each 32-k block of NT records is dequantized
@@ -519,12 +537,9 @@ inline void amx_blocks(const uint16_t* x, int64_t ldx_bytes, const uint16_t* w, 
 template <int NT, int FMT>
 inline void amx_fused_blocks(const uint16_t* x, int64_t ldx_bytes, const uint8_t* w, int64_t wstride, int64_t nblk,
                              float* c) {
-  constexpr int64_t REC = FMT == GGUF_Q4_0 ? 288 : FMT == GGUF_Q4_1 ? 320 : 544;
+  constexpr int64_t REC = fused_record_bytes(FMT);
   alignas(64) uint16_t bt[NT][16 * 32];
-  _tile_zero(0);
-  if constexpr (NT > 1) _tile_zero(1);
-  if constexpr (NT > 2) _tile_zero(2);
-  if constexpr (NT > 3) _tile_zero(3);
+  amx_zero_c<NT>();
   for (int64_t b = 0; b < nblk; ++b) {
     const uint8_t* rec[NT];
     for (int j = 0; j < NT; ++j) rec[j] = w + j * wstride + b * REC;
@@ -533,17 +548,9 @@ inline void amx_fused_blocks(const uint16_t* x, int64_t ldx_bytes, const uint8_t
       for (int j = 0; j < NT; ++j) _mm512_store_si512(bt[j] + 32 * kk, (__m512i)wv[j]);
     });
     _tile_loadd(4, x + 32 * b, ldx_bytes);
-    _tile_loadd(5, bt[0], 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (NT > 1) { _tile_loadd(6, bt[1], 64); _tile_dpbf16ps(1, 4, 6); }
-    if constexpr (NT > 2) { _tile_loadd(7, bt[2], 64); _tile_dpbf16ps(2, 4, 7); }
-    if constexpr (NT > 3) { _tile_loadd(5, bt[3], 64); _tile_dpbf16ps(3, 4, 5); }
+    amx_dot_b<NT>(bt[0], 16 * 32);
   }
-  const int64_t ldc = NT * 64;
-  _tile_stored(0, c, ldc);
-  if constexpr (NT > 1) _tile_stored(1, c + 16, ldc);
-  if constexpr (NT > 2) _tile_stored(2, c + 32, ldc);
-  if constexpr (NT > 3) _tile_stored(3, c + 48, ldc);
+  amx_store_c<NT>(c);
 }
 
 bool amx_granted() {
