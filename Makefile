@@ -6,13 +6,24 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 PLUGIN_DIRS := $(sort $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/*/pyproject.toml)))
 STAMP := $(VENV)/.plinth-setup
+LLAMA_CPP_STAMP := $(VENV)/.plinth-llama-cpp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-narrow test-fast bench lint typecheck clean
+.PHONY: setup setup-peers serve test test-narrow test-fast bench lint typecheck clean
 
 setup: $(STAMP)
+
+# llama.cpp, the gemma tests' peer on the same GGUF file (its linears on its own
+# inputs, greedy text): llama-cpp-python has no wheel on PyPI, so it builds from
+# its sdist for this CPU (about 5 minutes on 2 quiet cores; the recipe and why:
+# plinth.bench.peers.llama_cpp_cmake_args). Only for the tests and benchmarks.
+setup-peers: $(LLAMA_CPP_STAMP)
+
+$(LLAMA_CPP_STAMP): $(STAMP)
+	$(PY) -m plinth.bench.peers install-llamacpp
+	@touch $@
 
 # Re-runs only when a pyproject or this file changes: quick when done.
 $(STAMP): Makefile core/pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS)) requirements-test.txt
@@ -46,7 +57,7 @@ NARROW_ISA_ENV := PLINTH_CPU_ISA=avx2,fma ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CP
 NARROW_TESTS := tests/test_engine_vs_transformers.py tests/test_server_api.py tests/test_cpu_isa.py \
 	$(wildcard plugins/*/*/tests/test_conformance.py)
 
-test: setup typecheck
+test: setup setup-peers typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 		echo "== again with the instruction sets narrowed: $(NARROW_ISA_ENV)"; \
@@ -56,7 +67,7 @@ test: setup typecheck
 test-narrow: setup
 	$(NARROW_ISA_ENV) $(PY) -m pytest $(NARROW_TESTS) $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup setup-peers
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup

@@ -2,7 +2,37 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
+
+#: llama.cpp's Python binding, the peer on GGUF files (benchmarks, the gemma
+#: tests): PyPI has only its sdist, so it builds for the CPU it runs on
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+
+
+def llama_cpp_cmake_args(machine: str | None = None) -> str:
+    """CMAKE_ARGS for building llama.cpp here: native instructions, no
+    multimodal library (127 compile units instead of 178), and on x86 no
+    ggml AMX path: built with it, 0.3.36 dies of SIGILL at its first tile
+    instruction (``tilezero`` in ``ggml_backend_amx_mul_mat``, a worker
+    thread) on an Intel Xeon with AMX, seen here; upstream's fix is open
+    (ggml-org/llama.cpp#26954). Its code needs ``__AMX_INT8__``, which
+    ``-mno-amx-int8`` clears whatever ``-march=native`` says."""
+    args = ["-DGGML_NATIVE=ON", "-DLLAVA_BUILD=OFF"]
+    if (machine or platform.machine()).lower() in ("x86_64", "amd64"):
+        args += ["-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8"]
+    return " ".join(args)
+
+
+def install_llama_cpp(python: str = sys.executable) -> None:
+    """Build and install ``LLAMA_CPP_PYTHON`` into ``python``'s environment
+    (about 5 minutes on 2 quiet cores); never from pip's cache, which may
+    hold a build for another CPU."""
+    env = dict(os.environ, CMAKE_ARGS=llama_cpp_cmake_args())
+    subprocess.run([python, "-m", "pip", "install", "--no-cache-dir", LLAMA_CPP_PYTHON], check=True, env=env)
 
 
 def gguf_to_hf_folder(gguf: str | Path, out: str | Path) -> None:
@@ -66,12 +96,14 @@ def llamacpp_batch1_ms(gguf: str | Path, prompt: list[int], steps: int, threads:
     return out
 
 
-if __name__ == "__main__":  # llama.cpp from another venv (bench/serve_compare.py --llamacpp-venv)
+if __name__ == "__main__":  # llama.cpp from another venv (bench/serve_compare.py --llamacpp-venv); `make setup-peers`
     import json
-    import sys
 
+    if sys.argv[1:] == ["install-llamacpp"]:
+        install_llama_cpp()
+        sys.exit(0)
     if len(sys.argv) != 3 or sys.argv[1] != "llamacpp-batch1":
-        sys.exit("usage: peers.py llamacpp-batch1 JSON")
+        sys.exit("usage: peers.py llamacpp-batch1 JSON | install-llamacpp")
     spec = json.loads(sys.argv[2])
     ms = llamacpp_batch1_ms(spec["gguf"], spec["prompt"], spec["steps"], spec["threads"], spec.get("repeats", 1))
     import llama_cpp

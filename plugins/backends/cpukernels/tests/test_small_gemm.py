@@ -161,6 +161,29 @@ def test_builds_without_amx_say_so():
     assert not SmallGemm(AVX2).amx()
 
 
+AMX_ISA = ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def test_deterministic_default_asks_the_kernel_for_the_tiles(monkeypatch):
+    """On by default in bf16 only where the tiles really run: the CPU's flags,
+    PLINTH_CPU_AMX, and Linux's grant (refused before 5.16), the same grant
+    the built kernels ask for."""
+    from plinth_plugin_cpukernels import backend
+    from plinth_plugin_cpukernels.gemm import kernel_grants_amx
+
+    if {"amx_tile", "amx_bf16"} <= set(NATIVE) and X86 and sys.platform == "linux":
+        assert kernel_grants_amx() == bool(load_linear_kernels(NATIVE).linear_amx_available())
+    monkeypatch.setattr(backend, "kernel_grants_amx", lambda: True)
+    assert backend.deterministic_default(AMX_ISA, torch.bfloat16) == (True, backend.AMX_COST)
+    assert backend.deterministic_default(AMX_ISA[:3], torch.bfloat16) == (False, backend.NO_AMX_COST)
+    assert not backend.deterministic_default(AMX_ISA, torch.float32)[0]
+    monkeypatch.setattr(backend, "kernel_grants_amx", lambda: False)
+    assert backend.deterministic_default(AMX_ISA, torch.bfloat16) == (False, backend.NO_AMX_COST)
+    monkeypatch.setattr(backend, "kernel_grants_amx", lambda: True)
+    monkeypatch.setenv(AMX_ENV, "0")
+    assert backend.deterministic_default(AMX_ISA, torch.bfloat16) == (False, backend.NO_AMX_COST)
+
+
 def test_backend_routes_bf16_weights_to_amx(monkeypatch):
     """bf16 weights whose K is a multiple of 32 take the AMX kernel up to
     AMX_ROWS rows (oneDNN above); other K, and PLINTH_CPU_AMX=0, the vdpbf16ps one."""

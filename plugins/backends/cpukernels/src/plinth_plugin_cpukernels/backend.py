@@ -19,6 +19,7 @@ from plinth_plugin_cpukernels.gemm import (
     SmallGemm,
     amx_allowed,
     fused_gguf_rows,
+    kernel_grants_amx,
     make_fused_gguf_linear,
     make_linear,
     pack_linear,
@@ -66,8 +67,10 @@ def bf16_gemm_missing(isa: tuple[str, ...]) -> str | None:
 
 
 def amx_tiles(isa: tuple[str, ...]) -> bool:
-    """Whether the linear kernels' build for ``isa`` runs bf16 on AMX tiles (and PLINTH_CPU_AMX leaves it on)."""
-    return {"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"} <= set(isa) and amx_allowed()
+    """Whether the linear kernels' build for ``isa`` runs bf16 on AMX tiles:
+    the CPU has them, Linux grants them to this process, and PLINTH_CPU_AMX
+    leaves them on (what ``SmallGemm.amx`` finds once the kernels load)."""
+    return {"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"} <= set(isa) and amx_allowed() and kernel_grants_amx()
 
 
 def deterministic_default(isa: tuple[str, ...], dtype: Any) -> tuple[bool, str]:

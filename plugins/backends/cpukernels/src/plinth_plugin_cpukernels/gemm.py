@@ -67,7 +67,11 @@ dequantized in registers into a B tile, bit-identical to the dense copy's).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import platform
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -132,6 +136,23 @@ def _available_memory() -> int:
 def amx_allowed() -> bool:
     """Whether ``PLINTH_CPU_AMX`` leaves the AMX kernel on (whether it runs also takes the CPU and the kernel)."""
     return os.environ.get(AMX_ENV, "").strip() != "0"
+
+
+@functools.cache
+def kernel_grants_amx() -> bool:
+    """Whether Linux grants this process the AMX tile registers: the request
+    the kernels make before their first tile (arch_prctl
+    ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; process-wide, idempotent).
+    The CPU's flags alone do not say it: Linux before 5.16, or a sandbox's
+    syscall filter, refuses, and the kernels then stream with vdpbf16ps."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return False
+    arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # x86_64 syscall number; asm/prctl.h
+    return syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
 
 
 def fused_gguf_rows() -> int:
