@@ -67,7 +67,7 @@ test: setup setup-peers typecheck
 test-narrow: setup
 	$(NARROW_ISA_ENV) $(PY) -m pytest $(NARROW_TESTS) $(PYTEST_ARGS)
 
-test-fast: setup setup-peers
+test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
