@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from plinth.engine.sampler import Sampler, SampleRow, make_generator
+from plinth.engine.sampler import ARGMAX_CHUNK, Sampler, SampleRow, first_argmax, make_generator
 from plinth.engine.sampling_params import SamplingParams
 
 
@@ -25,6 +25,23 @@ def test_greedy_and_top_k_1_take_the_argmax():
     s = Sampler()
     assert s(logits, [_row(SamplingParams(temperature=0))] * 4)[0] == want
     assert s(logits, [_row(SamplingParams(temperature=1.5, top_k=1))] * 4)[0] == want
+
+
+@pytest.mark.parametrize("vocab", [100, ARGMAX_CHUNK * 2, ARGMAX_CHUNK * 48, ARGMAX_CHUNK * 48 + 17, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_argmax_is_argmax_with_ties_infinities_and_nans(vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(8, vocab, generator=g).to(dtype)
+    x[1] = float("-inf")  # nothing allowed: index 0, as argmax
+    for at in (vocab - 1, vocab // 3, 5):  # a tie across chunks and into the tail: the first wins
+        x[2, at] = x[2].max()
+    x[3, vocab - 1] = float("nan")  # a NaN counts as the largest, in the tail too
+    x[4, vocab // 2] = x[4, vocab - 1] = float("nan")
+    x[5, vocab - 1] = 1e4  # the largest value in the tail
+    x[6, 0] = x[6, vocab - 2] = float("inf")
+    x[7, ARGMAX_CHUNK - 1 if vocab > ARGMAX_CHUNK else 0] = 1e4  # a chunk's last token
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+    assert first_argmax(x).tolist() == [int(row.argmax()) for row in x]
 
 
 def test_same_seed_same_tokens_regardless_of_batch():

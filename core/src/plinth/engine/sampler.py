@@ -173,6 +173,34 @@ def filtered_probs(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) 
     return probs
 
 
+#: first_argmax's chunk: rows are searched by chunks of this many tokens
+ARGMAX_CHUNK = 1024
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, the same indices (the first of a
+    row's largest values; a NaN counts as the largest, as in argmax).
+
+    Why: torch's CPU argmax carries an index per lane through a whole
+    vocabulary row, 1.1 ms for 16 rows of 49k float32 on 2 cores (Intel
+    Xeon with AMX), a twentieth of a decode step; the chunks' maxima (amax,
+    a plain vectorized reduction), the argmax of those few, then the argmax
+    inside each row's winning chunk take 0.17 ms."""
+    n, vocab = x.shape
+    chunks = vocab // ARGMAX_CHUNK
+    if chunks < 2:
+        return x.argmax(dim=-1)
+    main = x[:, : chunks * ARGMAX_CHUNK].reshape(n, chunks, ARGMAX_CHUNK)
+    best = main.amax(dim=-1).argmax(dim=-1)  # the first chunk holding the row's max (or its first NaN)
+    rows = torch.arange(n, device=x.device)
+    idx = best * ARGMAX_CHUNK + main[rows, best].argmax(dim=-1)
+    if chunks * ARGMAX_CHUNK < vocab:  # the tail wins where it holds a larger value, or the first NaN
+        tail = x[:, chunks * ARGMAX_CHUNK :].argmax(dim=-1) + chunks * ARGMAX_CHUNK
+        a, b = x[rows, idx], x[rows, tail]
+        idx = torch.where((b > a) | (b.isnan() & ~a.isnan()), tail, idx)
+    return idx
+
+
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row of probs (unnormalized is fine), row j by the
     float64 uniform u[j] (``uniforms``: each seeded row from its own generator)."""
@@ -257,7 +285,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[lp_at], dim=-1) if want_lp else None
 
         logits = process_logits(logits, rows)
-        tokens = logits.argmax(dim=-1)
+        tokens = first_argmax(logits)
         rand = random_rows(rows)
         if rand:
             at = torch.tensor(rand, device=logits.device)

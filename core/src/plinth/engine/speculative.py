@@ -50,7 +50,15 @@ from plinth.api import ProposeItem
 from plinth.engine.grammar import FixedMask
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.outputs import TokenLogprobs
-from plinth.engine.sampler import SampleRow, draw, filtered_probs, logprob_entries, process_logits, uniforms
+from plinth.engine.sampler import (
+    SampleRow,
+    draw,
+    filtered_probs,
+    first_argmax,
+    logprob_entries,
+    process_logits,
+    uniforms,
+)
 from plinth.engine.sampling_params import SamplingParams
 from plinth.engine.scheduler import ScheduledBatch
 from plinth.engine.sequence import Request, Sequence
@@ -505,7 +513,7 @@ class SpecDecoder:
         logits = logits.float()
         rows, at, starts, n_rows = _verify_rows(items, logits.shape[-1], logits.device, make_row)
         processed = process_logits(logits[torch.tensor(at, device=logits.device)], rows)
-        targets = processed.argmax(dim=-1)
+        targets = first_argmax(processed)
         accepted, probs = _accept(items, processed, targets, rows, starts, n_rows)
         out = _target_tokens(items, targets.tolist(), probs, accepted, starts, n_rows)
         lps = _verified_logprobs(items, logits, out)

@@ -130,6 +130,7 @@ struct Vec {
   static inline R set1(float x) { return _mm512_set1_ps(x); }
   static inline R add(R a, R b) { return _mm512_add_ps(a, b); }
   static inline R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static inline R max(R a, R b) { return _mm512_max_ps(a, b); }
   static inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static inline R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static inline R clamp(R x, float lo, float hi) { return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x)); }
@@ -170,6 +171,7 @@ struct Vec {
   static inline R set1(float x) { return _mm256_set1_ps(x); }
   static inline R add(R a, R b) { return _mm256_add_ps(a, b); }
   static inline R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static inline R max(R a, R b) { return _mm256_max_ps(a, b); }
   static inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static inline R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   static inline R clamp(R x, float lo, float hi) { return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x)); }
@@ -221,6 +223,7 @@ struct Vec8 {
   }
   PLINTH_VEC8_OP(add, a.v[i] + b.v[i])
   PLINTH_VEC8_OP(sub, a.v[i] - b.v[i])
+  PLINTH_VEC8_OP(max, std::max(a.v[i], b.v[i]))
   PLINTH_VEC8_OP(mul, a.v[i] * b.v[i])
 #undef PLINTH_VEC8_OP
   static inline R fma(R a, R b, R c) {
@@ -337,13 +340,23 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
       const float* x = qf + (i / G) * qs + (i % G) * D;
       uint16_t* h = sc.qbf.data() + 2 * i * D;
       uint16_t* l = h + D;
-      uint16_t any_lo = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        h[d] = f32_to_bf16(x[d]);
-        l[d] = f32_to_bf16(x[d] - bf16_to_f32(h[d]));
-        any_lo |= l[d] & 0x7FFF;
+      // 16 at a time, the same integer rounding as f32_to_bf16 (D % 32 == 0 here)
+      __m512i any = _mm512_setzero_si512();
+      const __m512i ones = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+      auto round16 = [&](__m512 v) {
+        const __m512i u = _mm512_castps_si512(v);
+        return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), ones))), 16);
+      };
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + d);
+        const __m512i hv = round16(xv);
+        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(hv, 16));
+        const __m512i lv = round16(_mm512_sub_ps(xv, hf));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + d), _mm512_cvtepi32_epi16(hv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + d), _mm512_cvtepi32_epi16(lv));
+        any = _mm512_or_si512(any, _mm512_and_si512(lv, bias));
       }
-      lo_parts |= any_lo != 0;
+      lo_parts |= _mm512_reduce_or_epi32(any) != 0;
     }
   }
 #else
@@ -364,9 +377,14 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
       }
       for (int64_t t = m; t < W; ++t) std::memset(kbuf + t * D, 0, D * sizeof(float));
     }
-    if (blk + W < last) {  // the next block's K rows and this block's V rows, from pages in no order
+    if (blk == first && blk + W < last) {  // the second block's K rows (pages in no order)
       const int64_t mn = std::min<int64_t>(W, last - blk - W);
       block_rows(table, blk + W, mn, ps, nrows);
+      for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * sizeof(T));
+    }
+    if (blk + 2 * W < last) {  // K rows two blocks ahead and this block's V rows
+      const int64_t mn = std::min<int64_t>(W, last - blk - 2 * W);
+      block_rows(table, blk + 2 * W, mn, ps, nrows);
       for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * sizeof(T));
     }
     for (int64_t t = 0; t < m; ++t) prefetch_row(vp + krows[t] * Dv, Dv * sizeof(T));
@@ -420,14 +438,28 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
     const int64_t r = i / G, b0 = lo[r] / W * W - first, b1 = (hi[r] - first + W - 1) / W * W;
     const int64_t vlo = lo[r] - first, vhi = hi[r] - first;
     float* s = scores + i * span;
+    // the max (exact in any order): whole blocks lane-wise, the edges' partial blocks by scalars
     float mx = -std::numeric_limits<float>::max();
-    for (int64_t t = vlo; t < vhi; ++t) mx = std::max(mx, s[t]);
+    Reg vmx = V::set1(mx);
+    for (int64_t j = b0; j < b1; j += W) {
+      if (j >= vlo && j + W <= vhi) {
+        vmx = V::max(vmx, V::load(s + j));
+      } else {
+        for (int64_t t = std::max(j, vlo); t < std::min(j + W, vhi); ++t) mx = std::max(mx, s[t]);
+      }
+    }
+    {
+      float lanes[W];
+      V::store(lanes, vmx);
+      for (int k = 0; k < W; ++k) mx = std::max(mx, lanes[k]);
+    }
     Reg sum = V::zero();
     const Reg vm = V::set1(mx);
     for (int64_t j = b0; j < b1; j += W) {
       V::store(s + j, vexp<V>(V::sub(V::load(s + j), vm)));
-      for (int64_t t = j; t < j + W; ++t)
-        if (t < vlo || t >= vhi) s[t] = 0.f;
+      if (j < vlo || j + W > vhi)
+        for (int64_t t = j; t < j + W; ++t)
+          if (t < vlo || t >= vhi) s[t] = 0.f;
       sum = V::add(sum, V::load(s + j));
     }
     float lanes[W], total;
@@ -439,8 +471,8 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
     } else {
       total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
     }
-    const float inv = 1.f / total;
-    for (int64_t j = b0; j < b1; ++j) s[j] *= inv;
+    const Reg inv = V::set1(1.f / total);
+    for (int64_t j = b0; j < b1; j += W) V::store(s + j, V::mul(V::load(s + j), inv));
   }
   // weighted sum of V, block by block: each chunk of the block's V rows loaded
   // once for every query of the tile
