@@ -364,6 +364,12 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
 #endif
   const bool direct = std::is_same<T, float>::value || dot;
   const T* kr[W];
+  auto prefetch_k = [&](int64_t blk) {  // the K rows of the block at position blk, if any
+    if (blk >= last) return;
+    const int64_t mn = std::min<int64_t>(W, last - blk);
+    block_rows(table, blk, mn, ps, nrows);
+    for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * sizeof(T));
+  };
   for (int64_t blk = first; blk < last; blk += W) {
     const int64_t m = std::min<int64_t>(W, last - blk);
     block_rows(table, blk, m, ps, krows);
@@ -377,16 +383,10 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
       }
       for (int64_t t = m; t < W; ++t) std::memset(kbuf + t * D, 0, D * sizeof(float));
     }
-    if (blk == first && blk + W < last) {  // the second block's K rows (pages in no order)
-      const int64_t mn = std::min<int64_t>(W, last - blk - W);
-      block_rows(table, blk + W, mn, ps, nrows);
-      for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * sizeof(T));
-    }
-    if (blk + 2 * W < last) {  // K rows two blocks ahead and this block's V rows
-      const int64_t mn = std::min<int64_t>(W, last - blk - 2 * W);
-      block_rows(table, blk + 2 * W, mn, ps, nrows);
-      for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * sizeof(T));
-    }
+    // K rows two blocks ahead (the first block also starts the second's), from
+    // pages in no order, and this block's V rows for the weighted sum
+    if (blk == first) prefetch_k(blk + W);
+    prefetch_k(blk + 2 * W);
     for (int64_t t = 0; t < m; ++t) prefetch_row(vp + krows[t] * Dv, Dv * sizeof(T));
     for (int64_t i = 0; i < NQ; ++i) {
       if (!in_block(i / G, blk)) continue;
