@@ -8,8 +8,11 @@ Each ``--source`` builds its own copy of a csrc/cpu_ops.cpp (e.g. the one
 before a change, from ``git show REV:path > A.cpp``; default: the current
 one); the copies are timed in turn, round after round, and each keeps its
 best round (other processes only ever add time), so a comparison made on a
-busy machine is fair. ``--isa`` narrows the instruction sets as
-PLINTH_CPU_ISA does. Prints us per call (per layer) and GFLOP/s (4 * Hq * D
+busy machine is fair. ``--amx off,on`` times each copy with bf16 pages on
+the vector path and on AMX tiles (``set_amx_attention``; default: as the
+backend sets it). ``--rows N``: each sequence queries its last N positions
+(a prefill chunk's tile path; 1: decode). ``--isa`` narrows the instruction
+sets as PLINTH_CPU_ISA does. Prints us per call (per layer) and GFLOP/s (4 * Hq * D
 flops per context token: the scores and the weighted sum), and each copy's
 speed-up over the first."""
 
@@ -33,6 +36,8 @@ def main() -> None:
     p.add_argument("--heads", default="9,3,64", help="Hq,Hkv,D")
     p.add_argument("--layers", type=int, default=1, help="KV pages of this many layers, called in turn (30: a model's, out of cache)")
     p.add_argument("--pages", choices=("random", "sequential"), default="random", help="page order of each sequence's table")
+    p.add_argument("--amx", default=None, help="comma-separated off,on: each copy timed with each (default: the backend's choice)")
+    p.add_argument("--rows", type=int, default=1, help="query rows per sequence, at the end of its context")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--round-time", type=float, default=0.05, help="CPU seconds per round and copy")
     args = p.parse_args()
@@ -42,13 +47,21 @@ def main() -> None:
 
     isa = args.isa.split(",") if args.isa else list(getattr(load_accelerator("cpu").info(), "isa", ()) or ())
     sources = args.source or [kmod.SOURCE]
-    mods = [kmod.load_extension(s, kmod.FUNCTIONS, isa, prefix=f"plinth_cpukernels_bench{i}") for i, s in enumerate(sources)]
+    built = [kmod.load_extension(s, kmod.FUNCTIONS, isa, prefix=f"plinth_cpukernels_bench{i}") for i, s in enumerate(sources)]
+    if args.amx:
+        settings = [x == "on" for x in args.amx.split(",")]
+    else:
+        from plinth_plugin_cpukernels.backend import amx_attention
+
+        settings = [amx_attention(tuple(isa))]
+    names = [f"{s}" + (f" (amx {'on' if a else 'off'})" if args.amx else "") for s in sources for a in settings]
+    mods = [(k, a) for k in built for a in settings]
     torch.set_num_threads(1)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     ps = args.page_size
     print(f"isa {','.join(sorted(isa))}; one thread; Hq={hq} Hkv={hkv} D={d}; page size {ps} ({args.pages} order); {args.layers} layer(s)")
-    for i, s in enumerate(sources):
-        print(f"copy {i}: {s}")
+    for i, name in enumerate(names):
+        print(f"copy {i}: {name}")
     head = " | ".join(f"copy {i} us | GFLOP/s" + (" | x" if i else "") for i in range(len(mods)))
     print(f"| dtype | batch | context | {head} |")
     print("|---|---:|---:|" + "---:|" * (3 * len(mods) - 1))
@@ -65,11 +78,14 @@ def main() -> None:
                 order = torch.randperm(n - 1, generator=g) if args.pages == "random" else torch.arange(n - 1)
                 tables = order[: b * pages_per].view(b, pages_per).to(torch.int32)
                 lens = torch.full((b,), ctx, dtype=torch.int32)
-                q = torch.randn(b, hq, d, generator=g).to(dtype)
+                q = torch.randn(b * args.rows, hq, d, generator=g).to(dtype)
+                qsl = torch.arange(b + 1, dtype=torch.int64) * args.rows
 
-                def call(k, kvs=kvs, q=q, tables=tables, lens=lens):  # this iteration's inputs
+                def call(mod, kvs=kvs, q=q, tables=tables, lens=lens, qsl=qsl):  # this iteration's inputs
+                    k, amx = mod
+                    k.set_amx_attention(amx)
                     for kp, vp in kvs:
-                        k.paged_decode_attention(q, kp, vp, tables, lens, d**-0.5, 0)
+                        k.paged_attention(q, kp, vp, tables, qsl, lens, d**-0.5, 0)
 
                 best = [float("inf")] * len(mods)
                 for k in mods:
@@ -81,7 +97,7 @@ def main() -> None:
                             call(k)
                             reps += 1
                         best[i] = min(best[i], (time.thread_time() - t0) / reps / args.layers * 1e6)
-                flops = 4 * hq * d * ctx * b
+                flops = 4 * hq * d * b * sum(ctx - r for r in range(args.rows))
                 cells = " | ".join(
                     f"{us:.1f} | {flops / us / 1e3:.1f}" + (f" | {best[0] / us:.2f}" if i else "") for i, us in enumerate(best)
                 )

@@ -178,7 +178,8 @@ def attention_invariance_problems(
 
     def run(steps: list[list[int]], page_size: int, crowd: bool) -> torch.Tensor:
         """The sequence's output rows [length, Hq * Dv], computed in these steps."""
-        per_seq = -(-max(length, 1200) // page_size)  # room for the other sequences' tokens too
+        # room for the other sequences' tokens too (at most 23 a step before, 1 after)
+        per_seq = -(-max(length, 1200, 23 * len(steps)) // page_size)
         num_pages = 3 * per_seq
         cache = ops.allocate_kv_cache(
             num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype, device=device,

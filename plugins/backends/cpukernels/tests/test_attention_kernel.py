@@ -143,13 +143,25 @@ def _float64_attention(q, kp, vp, tables, lens, scale, window):
     return out
 
 
-#: the vectorized paths (AVX-512 with BF16 dot products, AVX2+FMA) and the
-#: portable loops (no AVX): each built and checked on its own where the CPU has it
+#: the vectorized paths (AVX-512 with BF16 dot products, AVX2+FMA), AMX tiles
+#: (bf16 pages; the native build with set_amx_attention) and the portable
+#: loops (no AVX): each built and checked on its own where the CPU has it
 ISA_SETS = {
     "native": None,
+    "amx": None,
     "avx2": ("sse4_2", "avx", "avx2", "fma", "f16c"),
     "no-avx": ("sse4_2",),
 }
+
+
+@pytest.fixture(autouse=True)
+def vector_attention_after():
+    """The AMX setting is the process's: back to the vector path after each test."""
+    yield
+    from plinth_plugin_cpukernels.backend import accelerator_isa
+    from plinth_plugin_cpukernels.kernels import load_kernels
+
+    load_kernels(accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu")))).set_amx_attention(False)
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +180,10 @@ def isa_kernels():
             isa = native
         elif platform.machine().lower() not in ("x86_64", "amd64") or not set(isa) <= set(native):
             pytest.skip(f"{name}: an x86 build this CPU runs")
-        if name not in built:
-            built[name] = load_kernels(isa)
-        return built[name]
+        kernels = built.setdefault(tuple(isa), load_kernels(isa))
+        if kernels.set_amx_attention(name == "amx") != (name == "amx"):
+            pytest.skip("amx: this build, CPU or kernel has no AMX tiles")
+        return kernels
 
     return get
 

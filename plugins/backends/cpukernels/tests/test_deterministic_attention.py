@@ -24,6 +24,27 @@ from plinth.testing.invariance import InvarianceCase, attention_invariance_probl
 CPU = torch.device("cpu")
 
 
+def _kernels():
+    from plinth_plugin_cpukernels.backend import accelerator_isa
+    from plinth_plugin_cpukernels.kernels import load_kernels
+
+    return load_kernels(accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu"))))
+
+
+def use_amx(on: bool) -> None:
+    """bf16 pages on AMX tiles (on) or vector registers for the calls that
+    follow (one path per process, as PLINTH_CPU_AMX_ATTENTION sets it at
+    start-up); skips where this build, CPU or kernel has no tiles."""
+    if _kernels().set_amx_attention(on) != on:
+        pytest.skip("no AMX tiles in this build, CPU or kernel")
+
+
+@pytest.fixture(autouse=True)
+def vector_attention_after():
+    yield
+    _kernels().set_amx_attention(False)
+
+
 @pytest.fixture(scope="module")
 def tables():
     acc = load_accelerator("cpu")
@@ -41,9 +62,25 @@ def tables():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("fused", [False, True], ids=["attention", "qkv_attention"])
-def test_rows_are_bit_identical_every_way(tables, dtype, window, fused):
+@pytest.mark.parametrize("amx", [False, True], ids=["vector", "amx"])
+def test_rows_are_bit_identical_every_way(tables, dtype, window, fused, amx):
+    ops = tables(dtype, True)
+    if amx and dtype != torch.bfloat16:
+        pytest.skip("AMX tiles take bf16 pages only")
+    use_amx(amx)
     case = InvarianceCase(length=50, window=window, fused=fused)
-    problems = attention_invariance_problems(tables(dtype, True), dtype, CPU, case=case)
+    problems = attention_invariance_problems(ops, dtype, CPU, case=case)
+    assert not problems, "\n".join(problems)
+
+
+def test_rows_are_bit_identical_past_one_pass_of_keys(tables):
+    """300 positions: the AMX path's weighted sum carries its C tiles across
+    passes of 256 keys (the vector path carries nothing); rows still equal
+    every way."""
+    ops = tables(torch.bfloat16, True)
+    use_amx(True)
+    case = InvarianceCase(length=300)
+    problems = attention_invariance_problems(ops, torch.bfloat16, CPU, page_sizes=(16,), case=case)
     assert not problems, "\n".join(problems)
 
 
@@ -72,17 +109,17 @@ def test_default_mode_attends_with_the_same_kernel(tables, fused):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [0, 37])
-def test_prefill_tiles_against_float64(dtype, window):
+@pytest.mark.parametrize("amx", [False, True], ids=["vector", "amx"])
+def test_prefill_tiles_against_float64(dtype, window, amx):
     """The kernel's prefill path (tiles of query rows over shared key blocks)
     is right, not only invariant: chunks after cached prefixes of several
-    lengths, against softmax(q k^T) v in float64 over the same pages."""
-    from plinth_plugin_cpukernels.backend import accelerator_isa
-    from plinth_plugin_cpukernels.kernels import load_kernels
-
-    kernels = load_kernels(accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu"))))
+    lengths, against softmax(q k^T) v in float64 over the same pages, on
+    vector registers and (bf16 pages, where the CPU has them) AMX tiles."""
+    kernels = _kernels()
+    use_amx(amx)
     g = torch.Generator().manual_seed(7)
     page_size, hq, hkv, d = 7, 9, 3, 64
-    seqs = [(0, 50), (13, 20), (40, 1), (0, 3), (90, 17)]  # (cached, new)
+    seqs = [(0, 50), (13, 20), (40, 1), (0, 3), (90, 17), (250, 30)]  # (cached, new); 280 keys: two AMX passes
     pages_per = [-(-(c + n) // page_size) for c, n in seqs]
     order = torch.randperm(sum(pages_per), generator=g).tolist()
     page_lists = [[order.pop() for _ in range(p)] for p in pages_per]
@@ -111,3 +148,34 @@ def test_deterministic_mode_declines_no_attention_op():
     ctx = SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.bfloat16, deterministic=True)
     declined = CPUKernelsBackend.unsupported_ops(ctx)
     assert not {"attention", "qkv_attention", "prepare_attention"} & set(declined), declined
+
+
+@pytest.mark.parametrize("env", ["", "1"], ids=["default", "amx-attention"])
+def test_amx_attention_follows_the_environment(env, monkeypatch):
+    """PLINTH_CPU_AMX_ATTENTION=1 puts the backend's attention on AMX tiles
+    where the linears have them; by default it stays on vector registers
+    (the two paths' bits differ, so the output tells which ran)."""
+    from plinth_plugin_cpukernels.backend import AMX_ATTENTION_ENV, accelerator_isa, amx_tiles
+
+    monkeypatch.setenv(AMX_ATTENTION_ENV, env)
+    ctx = SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.bfloat16, deterministic=True)
+    ops = op_table(ctx, "cpukernels")
+    tiles = amx_tiles(accelerator_isa(ctx))
+    if not tiles:
+        pytest.skip("no AMX tiles here: the two paths are one")
+    meta = attention_metadata([(0, 40), (30, 1)], [[0, 1, 2], [3, 4]], 16, CPU)
+    k_pages, v_pages = ops.allocate_kv_cache(num_pages=8, page_size=16, num_kv_heads=3, head_dim=64, v_head_dim=64, dtype=torch.bfloat16, device=CPU)
+    g = torch.Generator().manual_seed(3)
+    k_pages.copy_(torch.randn(k_pages.shape, generator=g).to(torch.bfloat16))
+    v_pages.copy_(torch.randn(v_pages.shape, generator=g).to(torch.bfloat16))
+    q = torch.randn(41, 9, 64, generator=g).to(torch.bfloat16)
+    ops.prepare_attention(meta)
+    got = ops.attention(q, q[:, :3], q[:, 3:6], (k_pages, v_pages), meta, scale=0.1)
+    k_after, v_after = k_pages.clone(), v_pages.clone()  # with this step's K/V written
+    kernels = _kernels()
+    paths = {}
+    for on in (False, True):
+        kernels.set_amx_attention(on)
+        paths[on] = kernels.paged_attention(q, k_after, v_after, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.1, 0)
+    assert not torch.equal(paths[False], paths[True])
+    assert torch.equal(got, paths[env == "1"])

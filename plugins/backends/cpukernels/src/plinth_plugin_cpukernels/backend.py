@@ -9,6 +9,7 @@ that find them keep GGUF weights quantized."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any, Callable, Mapping
 
 from plinth.api import Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
@@ -71,6 +72,21 @@ def amx_tiles(isa: tuple[str, ...]) -> bool:
     the CPU has them, Linux grants them to this process, and PLINTH_CPU_AMX
     leaves them on (what ``SmallGemm.amx`` finds once the kernels load)."""
     return {"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"} <= set(isa) and amx_allowed() and kernel_grants_amx()
+
+
+#: "1": paged attention over bf16 pages on AMX tiles where the linears take
+#: them (csrc/cpu_ops.cpp, attend_tile_amx). Off by default: on the Intel Xeon
+#: with AMX it runs a 128-row prefill chunk's attention in 0.43-0.6x the
+#: vector kernel's time but a 16-sequence decode in 1.0-1.4x
+#: (bench/decode_attention.py --amx off,on; docs/benchmarks.md), so it pays
+#: where long prompts dominate. Either path is batch-invariant; a process
+#: takes one for every call.
+AMX_ATTENTION_ENV = "PLINTH_CPU_AMX_ATTENTION"
+
+
+def amx_attention(isa: tuple[str, ...]) -> bool:
+    """Whether paged attention runs bf16 pages on AMX tiles here."""
+    return os.environ.get(AMX_ATTENTION_ENV, "").strip() == "1" and amx_tiles(isa)
 
 
 def deterministic_default(isa: tuple[str, ...], dtype: Any) -> tuple[bool, str]:
@@ -203,6 +219,7 @@ class CPUKernelsBackend(Backend):
 
             ops.update({"pack_linear": pack, "linear": linear})
         kernels = load_kernels(isa)
+        kernels.set_amx_attention(amx_attention(isa))  # one path per process
         # the decode kernel reads the reference's KV layout and hands it what
         # it does not handle; without the reference's attention ops, none
         if all(op in self.reference for op in ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages")):

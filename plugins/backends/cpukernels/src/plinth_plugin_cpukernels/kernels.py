@@ -31,7 +31,9 @@ from typing import Any, Iterable, Iterator
 from plinth.api import PluginError
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-FUNCTIONS = ["paged_attention", "paged_decode_attention", "paged_qkv_attention", "rms_norm", "silu_and_mul", "rotary"]
+FUNCTIONS = [
+    "paged_attention", "paged_decode_attention", "paged_qkv_attention", "rms_norm", "silu_and_mul", "rotary", "set_amx_attention",
+]
 BASE_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 
 #: x86 extension (Linux's name) -> the GCC/Clang flag that lets the compiler use it

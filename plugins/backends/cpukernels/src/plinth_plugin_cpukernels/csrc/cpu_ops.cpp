@@ -10,6 +10,11 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -295,10 +300,88 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 #endif
 }
 
+// Softmax of each query i < NQ (row i / G) over its own blocks of scores
+// [NQ][span] (position first + j at column j; first a multiple of W): max
+// (exact in any order), the exponentials (0 outside [lo, hi)), their sum
+// block by block, lane-wise, then across the lanes in a fixed tree. Columns
+// outside the row's blocks are left as they are.
+template <class V>
+inline void softmax_rows(float* scores, int64_t span, int64_t first, const int64_t* lo, const int64_t* hi,
+                         int64_t NQ, int64_t G) {
+  using Reg = typename V::R;
+  constexpr int W = V::W;
+  for (int64_t i = 0; i < NQ; ++i) {
+    const int64_t r = i / G, b0 = lo[r] / W * W - first, b1 = (hi[r] - first + W - 1) / W * W;
+    const int64_t vlo = lo[r] - first, vhi = hi[r] - first;
+    float* s = scores + i * span;
+    // the max (exact in any order): whole blocks lane-wise, the edges' partial blocks by scalars
+    float mx = -std::numeric_limits<float>::max();
+    Reg vmx = V::set1(mx);
+    for (int64_t j = b0; j < b1; j += W) {
+      if (j >= vlo && j + W <= vhi) {
+        vmx = V::max(vmx, V::load(s + j));
+      } else {
+        for (int64_t t = std::max(j, vlo); t < std::min(j + W, vhi); ++t) mx = std::max(mx, s[t]);
+      }
+    }
+    {
+      float lanes[W];
+      V::store(lanes, vmx);
+      for (int k = 0; k < W; ++k) mx = std::max(mx, lanes[k]);
+    }
+    Reg sum = V::zero();
+    const Reg vm = V::set1(mx);
+    for (int64_t j = b0; j < b1; j += W) {
+      V::store(s + j, vexp<V>(V::sub(V::load(s + j), vm)));
+      if (j < vlo || j + W > vhi)
+        for (int64_t t = j; t < j + W; ++t)
+          if (t < vlo || t >= vhi) s[t] = 0.f;
+      sum = V::add(sum, V::load(s + j));
+    }
+    float lanes[W], total;
+    V::store(lanes, sum);
+    if constexpr (W == 16) {
+      float h8[8];
+      for (int k = 0; k < 8; ++k) h8[k] = lanes[k] + lanes[k + 8];
+      total = ((h8[0] + h8[4]) + (h8[2] + h8[6])) + ((h8[1] + h8[5]) + (h8[3] + h8[7]));
+    } else {
+      total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    }
+    const Reg inv = V::set1(1.f / total);
+    for (int64_t j = b0; j < b1; j += W) V::store(s + j, V::mul(V::load(s + j), inv));
+  }
+}
+
+#if defined(__AVX512F__)
+// f32_to_bf16 on 16 lanes (the same integer rounding), in the low halves of the dwords
+inline __m512i round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+}
+
+// x (n floats, n % 16 == 0) -> hi + lo, two bf16 parts (hi = bf16(x), lo =
+// bf16(x - hi)): a float's value to 16 significant bits, each part's product
+// with a bf16 exact. Returns whether any lo part is nonzero.
+inline bool split_bf16(const float* x, uint16_t* hi, uint16_t* lo, int64_t n) {
+  __m512i any = _mm512_setzero_si512();
+  for (int64_t d = 0; d < n; d += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + d);
+    const __m512i hv = round_bf16(xv);
+    const __m512i lv = round_bf16(_mm512_sub_ps(xv, _mm512_castsi512_ps(_mm512_slli_epi32(hv, 16))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + d), _mm512_cvtepi32_epi16(hv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + d), _mm512_cvtepi32_epi16(lv));
+    any = _mm512_or_si512(any, _mm512_and_si512(lv, _mm512_set1_epi32(0x7FFF)));
+  }
+  return _mm512_reduce_or_epi32(any) != 0;
+}
+#endif
+
 // per-thread scratch of the block code
 struct AttendScratch {
   std::vector<float> scores, kbuf, acc;
-  std::vector<uint16_t> qbf;
+  std::vector<uint16_t> qbf, pbf, kt, vt;
+  int tile_rows = 0;  // the AMX tile configuration this task loaded (0: none yet)
 };
 
 // One tile: rows r < R of one sequence and KV head. Row r's G query heads are
@@ -340,23 +423,7 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
       const float* x = qf + (i / G) * qs + (i % G) * D;
       uint16_t* h = sc.qbf.data() + 2 * i * D;
       uint16_t* l = h + D;
-      // 16 at a time, the same integer rounding as f32_to_bf16 (D % 32 == 0 here)
-      __m512i any = _mm512_setzero_si512();
-      const __m512i ones = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
-      auto round16 = [&](__m512 v) {
-        const __m512i u = _mm512_castps_si512(v);
-        return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), ones))), 16);
-      };
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + d);
-        const __m512i hv = round16(xv);
-        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(hv, 16));
-        const __m512i lv = round16(_mm512_sub_ps(xv, hf));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + d), _mm512_cvtepi32_epi16(hv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + d), _mm512_cvtepi32_epi16(lv));
-        any = _mm512_or_si512(any, _mm512_and_si512(lv, bias));
-      }
-      lo_parts |= _mm512_reduce_or_epi32(any) != 0;
+      lo_parts |= split_bf16(x, h, l, D);
     }
   }
 #else
@@ -431,49 +498,7 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
       V::reduce(a, dst);
     }
   }
-  // softmax per query over its own blocks: max (exact in any order), the
-  // exponentials (0 outside [lo, hi)), their sum block by block, lane-wise,
-  // then across the lanes in a fixed tree
-  for (int64_t i = 0; i < NQ; ++i) {
-    const int64_t r = i / G, b0 = lo[r] / W * W - first, b1 = (hi[r] - first + W - 1) / W * W;
-    const int64_t vlo = lo[r] - first, vhi = hi[r] - first;
-    float* s = scores + i * span;
-    // the max (exact in any order): whole blocks lane-wise, the edges' partial blocks by scalars
-    float mx = -std::numeric_limits<float>::max();
-    Reg vmx = V::set1(mx);
-    for (int64_t j = b0; j < b1; j += W) {
-      if (j >= vlo && j + W <= vhi) {
-        vmx = V::max(vmx, V::load(s + j));
-      } else {
-        for (int64_t t = std::max(j, vlo); t < std::min(j + W, vhi); ++t) mx = std::max(mx, s[t]);
-      }
-    }
-    {
-      float lanes[W];
-      V::store(lanes, vmx);
-      for (int k = 0; k < W; ++k) mx = std::max(mx, lanes[k]);
-    }
-    Reg sum = V::zero();
-    const Reg vm = V::set1(mx);
-    for (int64_t j = b0; j < b1; j += W) {
-      V::store(s + j, vexp<V>(V::sub(V::load(s + j), vm)));
-      if (j < vlo || j + W > vhi)
-        for (int64_t t = j; t < j + W; ++t)
-          if (t < vlo || t >= vhi) s[t] = 0.f;
-      sum = V::add(sum, V::load(s + j));
-    }
-    float lanes[W], total;
-    V::store(lanes, sum);
-    if constexpr (W == 16) {
-      float h8[8];
-      for (int k = 0; k < 8; ++k) h8[k] = lanes[k] + lanes[k + 8];
-      total = ((h8[0] + h8[4]) + (h8[2] + h8[6])) + ((h8[1] + h8[5]) + (h8[3] + h8[7]));
-    } else {
-      total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-    }
-    const Reg inv = V::set1(1.f / total);
-    for (int64_t j = b0; j < b1; j += W) V::store(s + j, V::mul(V::load(s + j), inv));
-  }
+  softmax_rows<V>(scores, span, first, lo, hi, NQ, G);
   // weighted sum of V, block by block: each chunk of the block's V rows loaded
   // once for every query of the tile
   const T* rows[W];
@@ -506,8 +531,253 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
   }
 }
 
-// query rows per tile of a prefill chunk: its rows share each K/V block's loads
-constexpr int64_t ATTENTION_TILE_ROWS = 8;
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PLINTH_AMX_ATTENTION 1
+// ---- the block code on AMX tiles (bfloat16 pages, D % 32 == 0, Dv % 16 == 0) ----
+// The same blocks, softmax and batch invariance as attend_tile, with both
+// products on TDPBF16PS: a C element is summed from its own A row and B
+// column in an order the instruction fixes, whatever the other rows (the
+// argument of the linears' AMX kernel), so a row's bits never depend on the
+// tile's other rows or on how many there are. Scores: C [queries x 16 keys]
+// += the query's hi part x K^T, then its lo part x K^T (K^T: the block's
+// rows transposed into pair lines), chunk by chunk of 32 features. Weighted
+// sum: C [queries x 16 features] += P hi x V, then P lo x V (P, normalized,
+// split in two bf16 parts like the query; V: pairs of rows interleaved), 32
+// keys at a time at absolute positions that are multiples of 32, so zero
+// probabilities outside a row's range sit in the same places for every tile.
+// Not bit-identical to attend_tile (other orders): a process takes one of the
+// two for every call (set_amx_attention).
+struct alignas(64) AttentionTiles {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: C, 4: A (hi part), 5: A (lo part), rows each; 6-7: B, 16 pair lines
+inline void attention_tiles_configure(int rows) {
+  AttentionTiles cfg;
+  for (int t = 0; t < 6; ++t) { cfg.rows[t] = uint8_t(rows); cfg.colsb[t] = 64; }
+  for (int t = 6; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+// r[i] (16 dwords each) -> r[j] = the dwords j of r[0..15]
+inline void transpose_16x16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m512 u[16];  // u[4g + c], 128-bit lane L: rows 4g..4g+3 at column 4L + c
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+// C tiles 0..NE-1 += A (4: hi, 5: lo when lo) times the B tiles at b, b + 512, ... (elements)
+template <int NE>
+inline void amx_pair_dots(const uint16_t* b, bool lo) {
+  _tile_loadd(6, b, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if (lo) _tile_dpbf16ps(0, 5, 6);
+  if constexpr (NE > 1) {
+    _tile_loadd(7, b + 512, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if (lo) _tile_dpbf16ps(1, 5, 7);
+  }
+  if constexpr (NE > 2) {
+    _tile_loadd(6, b + 1024, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    if (lo) _tile_dpbf16ps(2, 5, 6);
+  }
+  if constexpr (NE > 3) {
+    _tile_loadd(7, b + 1536, 64);
+    _tile_dpbf16ps(3, 4, 7);
+    if (lo) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+template <int NE>
+inline void amx_c_start(const float* c, int64_t ldc_bytes, bool zero) {
+  if (zero) {
+    _tile_zero(0);
+    if constexpr (NE > 1) _tile_zero(1);
+    if constexpr (NE > 2) _tile_zero(2);
+    if constexpr (NE > 3) _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, ldc_bytes);
+    if constexpr (NE > 1) _tile_loadd(1, c + 16, ldc_bytes);
+    if constexpr (NE > 2) _tile_loadd(2, c + 32, ldc_bytes);
+    if constexpr (NE > 3) _tile_loadd(3, c + 48, ldc_bytes);
+  }
+}
+
+template <int NE>
+inline void amx_c_store(float* c, int64_t ldc_bytes) {
+  _tile_stored(0, c, ldc_bytes);
+  if constexpr (NE > 1) _tile_stored(1, c + 16, ldc_bytes);
+  if constexpr (NE > 2) _tile_stored(2, c + 32, ldc_bytes);
+  if constexpr (NE > 3) _tile_stored(3, c + 48, ldc_bytes);
+}
+
+// keys per pass of the weighted sum (their V pair lines are built once per pass)
+constexpr int64_t AMX_KEYS_PER_PASS = 256;
+
+// attend_tile's contract, on tiles
+__attribute__((noinline)) void attend_tile_amx(const float* qf, int64_t qs, uint16_t* out, int64_t os,
+                                               const uint16_t* kp, const uint16_t* vp, const int32_t* table,
+                                               const int64_t* lo, const int64_t* hi, int64_t R, int64_t G, int64_t D,
+                                               int64_t Dv, int64_t ps, AttendScratch& sc, const uint16_t* zrow) {
+  constexpr int64_t KB = 16, PB = 32;  // keys per score block, per weighted-sum step
+  int64_t first = hi[0], last = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    first = std::min(first, lo[r] / PB * PB);
+    last = std::max(last, hi[r]);
+  }
+  const int64_t NQ = R * G, NQP = NQ <= 16 ? NQ : (NQ + 15) / 16 * 16, NG = (NQP + 15) / 16;
+  const int64_t span = (last - first + PB - 1) / PB * PB, DC = D / 32, DE = Dv / 16;
+  // loaded once per task and row count (a few hundred cycles); nothing else
+  // runs on this thread's tiles inside the task
+  if (sc.tile_rows != int(std::min<int64_t>(16, NQP))) {
+    sc.tile_rows = int(std::min<int64_t>(16, NQP));
+    attention_tiles_configure(sc.tile_rows);
+  }
+  // the queries' hi and lo parts: qbf [hi: NQP x D][lo: NQP x D]
+  sc.qbf.assign(2 * NQP * D, 0);
+  uint16_t* qhi = sc.qbf.data();
+  uint16_t* qlo = qhi + NQP * D;
+  bool lo_parts = false;
+  for (int64_t i = 0; i < NQ; ++i)
+    lo_parts |= split_bf16(qf + (i / G) * qs + (i % G) * D, qhi + i * D, qlo + i * D, D);
+  sc.scores.resize(NQP * span);
+  sc.kt.resize(2 * DC * 512);
+  float* scores = sc.scores.data();
+  int64_t krows[PB], nrows[KB];
+  const uint16_t* kr[KB];
+  auto prefetch_k = [&](int64_t blk) {
+    if (blk >= last) return;
+    const int64_t mn = std::min<int64_t>(KB, last - blk);
+    block_rows(table, blk, mn, ps, nrows);
+    for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * 2);
+  };
+  // the block's K^T pair lines into kt (line j of chunk c: features 32c + 2j,
+  // + 1 of the 16 keys); K rows two blocks ahead and the block's V rows
+  // (for the weighted sum) prefetched, from pages in no order
+  auto stage = [&](int64_t blk, uint16_t* kt) {
+    const int64_t m = std::min<int64_t>(KB, last - blk);
+    block_rows(table, blk, m, ps, krows);
+    for (int64_t t = 0; t < KB; ++t) kr[t] = t < m ? kp + krows[t] * D : zrow;
+    prefetch_k(blk + 2 * KB);
+    for (int64_t t = 0; t < m; ++t) prefetch_row(vp + krows[t] * Dv, Dv * 2);
+    for (int64_t c = 0; c < DC; ++c) {
+      __m512 rows[16];
+      for (int t = 0; t < 16; ++t) rows[t] = _mm512_loadu_ps(reinterpret_cast<const float*>(kr[t] + 32 * c));
+      transpose_16x16(rows);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(kt + 512 * c + 32 * j), rows[j]);
+    }
+  };
+  // the next block is staged before this one's tiles load theirs: a tile load
+  // right after the vector stores of its data waits for them to reach L1
+  prefetch_k(first);
+  prefetch_k(first + KB);
+  stage(first, sc.kt.data());
+  for (int64_t blk = first, i = 0; blk < last; blk += KB, ++i) {
+    const uint16_t* kt = sc.kt.data() + (i & 1) * DC * 512;
+    if (blk + KB < last) stage(blk + KB, sc.kt.data() + ((i + 1) & 1) * DC * 512);
+    for (int64_t g = 0; g < NG; ++g) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < DC; ++c) {
+        _tile_loadd(4, qhi + g * 16 * D + 32 * c, D * 2);
+        if (lo_parts) _tile_loadd(5, qlo + g * 16 * D + 32 * c, D * 2);
+        amx_pair_dots<1>(kt + 512 * c, lo_parts);
+      }
+      _tile_stored(0, scores + g * 16 * span + (blk - first), span * 4);
+    }
+  }
+  softmax_rows<Vec>(scores, span, first, lo, hi, NQ, G);
+  // P's hi and lo parts over the whole span, exact zeros outside each row's blocks
+  sc.pbf.assign(2 * NQP * span, 0);
+  uint16_t* phi = sc.pbf.data();
+  uint16_t* plo = phi + NQP * span;
+  for (int64_t i = 0; i < NQ; ++i) {
+    const int64_t r = i / G, b0 = lo[r] / KB * KB - first, b1 = (hi[r] - first + KB - 1) / KB * KB;
+    split_bf16(scores + i * span + b0, phi + i * span + b0, plo + i * span + b0, b1 - b0);
+  }
+  // the weighted sum, AMX_KEYS_PER_PASS keys a pass: their V pair lines
+  // (vt [step][Dv / 16][16 lines][16 features][2]), then every query group
+  // and 64 features on the 4 C tiles, carried across passes in acc
+  sc.acc.resize(NQP * Dv);
+  sc.vt.resize(AMX_KEYS_PER_PASS / PB * DE * 512);
+  float* acc = sc.acc.data();
+  uint16_t* vt = sc.vt.data();
+  for (int64_t k0 = 0; k0 < span; k0 += AMX_KEYS_PER_PASS) {
+    const int64_t steps = std::min(AMX_KEYS_PER_PASS, span - k0) / PB;
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t pos = first + k0 + s * PB, m = std::max<int64_t>(0, std::min(PB, last - pos));
+      if (m > 0) block_rows(table, pos, m, ps, krows);
+      for (int64_t j = 0; j < 16; ++j) {
+        const uint16_t* v0 = 2 * j < m ? vp + krows[2 * j] * Dv : zrow;
+        const uint16_t* v1 = 2 * j + 1 < m ? vp + krows[2 * j + 1] * Dv : zrow;
+        for (int64_t e = 0; e < DE; ++e) {
+          const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * e)));
+          const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * e)));
+          _mm512_storeu_si512(vt + (s * DE + e) * 512 + 32 * j, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
+      }
+    }
+    for (int64_t g = 0; g < NG; ++g)
+      for (int64_t e0 = 0; e0 < DE; e0 += 4) {
+        float* c = acc + g * 16 * Dv + 16 * e0;
+        const int ne = int(std::min<int64_t>(4, DE - e0));
+        auto pass = [&](auto tag) {
+          constexpr int NE = decltype(tag)::value;
+          amx_c_start<NE>(c, Dv * 4, k0 == 0);
+          for (int64_t s = 0; s < steps; ++s) {
+            _tile_loadd(4, phi + g * 16 * span + k0 + s * PB, span * 2);
+            _tile_loadd(5, plo + g * 16 * span + k0 + s * PB, span * 2);
+            amx_pair_dots<NE>(vt + (s * DE + e0) * 512, true);
+          }
+          amx_c_store<NE>(c, Dv * 4);
+        };
+        if (ne == 4) pass(std::integral_constant<int, 4>{});
+        else if (ne == 3) pass(std::integral_constant<int, 3>{});
+        else if (ne == 2) pass(std::integral_constant<int, 2>{});
+        else pass(std::integral_constant<int, 1>{});
+      }
+  }
+  for (int64_t i = 0; i < NQ; ++i) {
+    uint16_t* o = out + (i / G) * os + (i % G) * Dv;
+    for (int64_t d = 0; d < Dv; ++d) o[d] = f32_to_bf16(acc[i * Dv + d]);
+  }
+}
+
+bool amx_attention_granted() {
+  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): process-wide, idempotent
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+#endif
+
+// whether paged attention runs bf16 pages on AMX tiles (set_amx_attention)
+bool amx_attention = false;
+
+// query rows per tile of a prefill chunk: its rows share each K/V block's
+// loads (on AMX tiles, also the K transposes and V pair lines: 16 rows)
+constexpr int64_t ATTENTION_TILE_ROWS = 8, AMX_ATTENTION_TILE_ROWS = 16;
 
 // every row of the batch (see above); qsl [B + 1], lens [B], tables [B, max_pages]
 template <typename T>
@@ -516,15 +786,20 @@ void paged_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, 
                           int64_t Dv, int64_t N, int64_t ps, int64_t max_pages, int64_t window) {
   TORCH_CHECK(D % 8 == 0 && Dv % 8 == 0, "cpukernels attention: head sizes must be multiples of 8, got ", D, " and ", Dv);
   const int64_t G = Hq / Hkv;
+  bool on_tiles = false;
+#ifdef PLINTH_AMX_ATTENTION
+  on_tiles = std::is_same<T, uint16_t>::value && amx_attention && D % 32 == 0 && Dv % 16 == 0;
+#endif
+  const int64_t tile_rows = on_tiles ? AMX_ATTENTION_TILE_ROWS : ATTENTION_TILE_ROWS;
   std::vector<int64_t> tiles;  // (sequence, first row, rows)
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t r = qsl[b]; r < qsl[b + 1]; r += ATTENTION_TILE_ROWS)
-      tiles.insert(tiles.end(), {b, r, std::min<int64_t>(ATTENTION_TILE_ROWS, qsl[b + 1] - r)});
+    for (int64_t r = qsl[b]; r < qsl[b + 1]; r += tile_rows)
+      tiles.insert(tiles.end(), {b, r, std::min<int64_t>(tile_rows, qsl[b + 1] - r)});
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) / 3;
   at::parallel_for(0, num_tiles * Hkv, 1, [&](int64_t begin, int64_t end) {
     AttendScratch sc;
     std::vector<T> zrow(std::max(D, Dv), T{});
-    int64_t lo[ATTENTION_TILE_ROWS], hi[ATTENTION_TILE_ROWS];
+    int64_t lo[AMX_ATTENTION_TILE_ROWS], hi[AMX_ATTENTION_TILE_ROWS];
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t* tile = tiles.data() + (idx / Hkv) * 3;
       const int64_t b = tile[0], row = tile[1], R = tile[2], h = idx % Hkv;
@@ -538,6 +813,14 @@ void paged_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, 
       const int32_t* table = tables + b * max_pages;
       const T* kh = kp + h * N * ps * D;
       const T* vh = vp + h * N * ps * Dv;
+#ifdef PLINTH_AMX_ATTENTION
+      if constexpr (std::is_same<T, uint16_t>::value) {
+        if (on_tiles) {
+          attend_tile_amx(qf, Hq * D, out, Hq * Dv, kh, vh, table, lo, hi, R, G, D, Dv, ps, sc, zrow.data());
+          continue;
+        }
+      }
+#endif
 #ifdef PLINTH_VEC_ATTENTION
       if (D % Vec::W == 0 && Dv % Vec::W == 0) {
         attend_tile<Vec, T>(qf, Hq * D, out, Hq * Dv, kh, vh, table, lo, hi, R, G, D, Dv, ps, sc, zrow.data());
@@ -800,4 +1083,16 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos
     });
   });
   return y;
+}
+
+// Paged attention on AMX tiles for bfloat16 pages (attend_tile_amx) when `on`
+// and this build and the kernel allow it; returns whether it now does. One
+// setting per process: the two paths round differently.
+bool set_amx_attention(bool on) {
+#if defined(PLINTH_AMX_ATTENTION)
+  amx_attention = on && amx_attention_granted();
+#else
+  (void)on;
+#endif
+  return amx_attention;
 }
