@@ -76,10 +76,9 @@ def amx_tiles(isa: tuple[str, ...]) -> bool:
 
 #: "1": paged attention over bf16 pages on AMX tiles where the linears take
 #: them (csrc/cpu_ops.cpp, attend_tile_amx). Off by default: on the Intel Xeon
-#: with AMX it runs a 128-row prefill chunk's attention in 0.43-0.6x the
-#: vector kernel's time but a 16-sequence decode in 1.0-1.4x
-#: (bench/decode_attention.py --amx off,on; docs/benchmarks.md), so it pays
-#: where long prompts dominate. Either path is batch-invariant; a process
+#: with AMX it runs a 128-row prefill chunk's attention in 0.46-0.50x the
+#: vector kernel's time but decodes in 0.96-1.31x (bench/decode_attention.py
+#: --amx off,on; docs/benchmarks.md), so it pays where long prompts dominate. Either path is batch-invariant; a process
 #: takes one for every call.
 AMX_ATTENTION_ENV = "PLINTH_CPU_AMX_ATTENTION"
 
