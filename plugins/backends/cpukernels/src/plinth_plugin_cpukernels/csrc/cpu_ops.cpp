@@ -588,27 +588,36 @@ inline void transpose_16x16(__m512* r) {
   }
 }
 
-// C tiles 0..NE-1 += A (4: hi, 5: lo when lo) times the B tiles at b, b + 512, ... (elements)
+// C tiles 0..NE-1 += A (4: hi, 5: lo when lo) times the B tiles at b, b + bs, ... (elements)
 template <int NE>
-inline void amx_pair_dots(const uint16_t* b, bool lo) {
+inline void amx_pair_dots(const uint16_t* b, int64_t bs, bool lo) {
   _tile_loadd(6, b, 64);
   _tile_dpbf16ps(0, 4, 6);
   if (lo) _tile_dpbf16ps(0, 5, 6);
   if constexpr (NE > 1) {
-    _tile_loadd(7, b + 512, 64);
+    _tile_loadd(7, b + bs, 64);
     _tile_dpbf16ps(1, 4, 7);
     if (lo) _tile_dpbf16ps(1, 5, 7);
   }
   if constexpr (NE > 2) {
-    _tile_loadd(6, b + 1024, 64);
+    _tile_loadd(6, b + 2 * bs, 64);
     _tile_dpbf16ps(2, 4, 6);
     if (lo) _tile_dpbf16ps(2, 5, 6);
   }
   if constexpr (NE > 3) {
-    _tile_loadd(7, b + 1536, 64);
+    _tile_loadd(7, b + 3 * bs, 64);
     _tile_dpbf16ps(3, 4, 7);
     if (lo) _tile_dpbf16ps(3, 5, 7);
   }
+}
+
+// f(std::integral_constant<int, n>) for n in 1..4
+template <typename F>
+inline void with_tiles(int n, F&& f) {
+  if (n >= 4) f(std::integral_constant<int, 4>{});
+  else if (n == 3) f(std::integral_constant<int, 3>{});
+  else if (n == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
 }
 
 template <int NE>
@@ -699,17 +708,20 @@ __attribute__((noinline)) void attend_tile_amx(const float* qf, int64_t qs, uint
   for (int64_t k0 = first; k0 < last; k0 += AMX_KEYS_PER_PASS) {
     const int64_t k1 = std::min(last, k0 + AMX_KEYS_PER_PASS);
     for (int64_t blk = k0; blk < k1; blk += KB) stage(blk, sc.kt.data() + (blk - k0) / KB * DC * 512);
-    for (int64_t blk = k0; blk < k1; blk += KB) {
+    // 4 blocks at a time on the 4 C tiles: independent accumulations keep the tile unit busy
+    for (int64_t blk = k0; blk < k1; blk += 4 * KB) {
       const uint16_t* kt = sc.kt.data() + (blk - k0) / KB * DC * 512;
-      for (int64_t g = 0; g < NG; ++g) {
-        _tile_zero(0);
-        for (int64_t c = 0; c < DC; ++c) {
-          _tile_loadd(4, qhi + g * 16 * D + 32 * c, D * 2);
-          if (lo_parts) _tile_loadd(5, qlo + g * 16 * D + 32 * c, D * 2);
-          amx_pair_dots<1>(kt + 512 * c, lo_parts);
-        }
-        _tile_stored(0, scores + g * 16 * span + (blk - first), span * 4);
-      }
+      for (int64_t g = 0; g < NG; ++g)
+        with_tiles(int((std::min(k1, blk + 4 * KB) - blk + KB - 1) / KB), [&](auto tag) {
+          constexpr int NB = decltype(tag)::value;
+          amx_c_start<NB>(nullptr, 0, true);
+          for (int64_t c = 0; c < DC; ++c) {
+            _tile_loadd(4, qhi + g * 16 * D + 32 * c, D * 2);
+            if (lo_parts) _tile_loadd(5, qlo + g * 16 * D + 32 * c, D * 2);
+            amx_pair_dots<NB>(kt + 512 * c, DC * 512, lo_parts);
+          }
+          amx_c_store<NB>(scores + g * 16 * span + (blk - first), span * 4);
+        });
     }
   }
   softmax_rows<Vec>(scores, span, first, lo, hi, NQ, G);
@@ -746,21 +758,16 @@ __attribute__((noinline)) void attend_tile_amx(const float* qf, int64_t qs, uint
     for (int64_t g = 0; g < NG; ++g)
       for (int64_t e0 = 0; e0 < DE; e0 += 4) {
         float* c = acc + g * 16 * Dv + 16 * e0;
-        const int ne = int(std::min<int64_t>(4, DE - e0));
-        auto pass = [&](auto tag) {
+        with_tiles(int(DE - e0), [&](auto tag) {
           constexpr int NE = decltype(tag)::value;
           amx_c_start<NE>(c, Dv * 4, k0 == 0);
           for (int64_t s = 0; s < steps; ++s) {
             _tile_loadd(4, phi + g * 16 * span + k0 + s * PB, span * 2);
             _tile_loadd(5, plo + g * 16 * span + k0 + s * PB, span * 2);
-            amx_pair_dots<NE>(vt + (s * DE + e0) * 512, true);
+            amx_pair_dots<NE>(vt + (s * DE + e0) * 512, 512, true);
           }
           amx_c_store<NE>(c, Dv * 4);
-        };
-        if (ne == 4) pass(std::integral_constant<int, 4>{});
-        else if (ne == 3) pass(std::integral_constant<int, 3>{});
-        else if (ne == 2) pass(std::integral_constant<int, 2>{});
-        else pass(std::integral_constant<int, 1>{});
+        });
       }
   }
   for (int64_t i = 0; i < NQ; ++i) {
