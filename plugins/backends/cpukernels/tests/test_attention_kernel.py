@@ -154,16 +154,6 @@ ISA_SETS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def vector_attention_after():
-    """The AMX setting is the process's: back to the vector path after each test."""
-    yield
-    from plinth_plugin_cpukernels.backend import accelerator_isa
-    from plinth_plugin_cpukernels.kernels import load_kernels
-
-    load_kernels(accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu")))).set_amx_attention(False)
-
-
 @pytest.fixture(scope="module")
 def isa_kernels():
     import platform
@@ -172,7 +162,6 @@ def isa_kernels():
     from plinth_plugin_cpukernels.kernels import load_kernels
 
     native = accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu"))) or ()
-    built = {}
 
     def get(name):
         isa = ISA_SETS[name]
@@ -180,10 +169,7 @@ def isa_kernels():
             isa = native
         elif platform.machine().lower() not in ("x86_64", "amd64") or not set(isa) <= set(native):
             pytest.skip(f"{name}: an x86 build this CPU runs")
-        kernels = built.setdefault(tuple(isa), load_kernels(isa))
-        if kernels.set_amx_attention(name == "amx") != (name == "amx"):
-            pytest.skip("amx: this build, CPU or kernel has no AMX tiles")
-        return kernels
+        return load_kernels(isa)  # built once per set
 
     return get
 
@@ -193,12 +179,13 @@ def isa_kernels():
 @pytest.mark.parametrize("page_size", [16, 7])
 @pytest.mark.parametrize("dims", [(64, 64), (64, 32), (128, 128), (72, 72)], ids=["d64", "dv32", "d128", "d72"])
 @pytest.mark.parametrize("window", [0, 37])
-def test_kernel_blocks_against_float64(isa_kernels, isa, dtype, page_size, dims, window):
+def test_kernel_blocks_against_float64(isa_kernels, attention_path, isa, dtype, page_size, dims, window):
     """Contexts around the kernel's token blocks (8 or 16 rows: 1, 7-9,
     15-17, 31-33, ...), windows that start mid-block, pages that end
     mid-block, V narrower than K, a head size no vector width divides (the
     portable loops), GQA, MHA and MQA, against float64 on the same pages."""
     k = isa_kernels(isa)
+    attention_path(isa == "amx")  # "amx" is the native build with the tiles on
     D, Dv = dims
     lens = torch.tensor([1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 100, 129], dtype=torch.int32)
     for num_heads, num_kv in [(9, 3), (4, 4), (8, 1)]:

@@ -24,27 +24,6 @@ from plinth.testing.invariance import InvarianceCase, attention_invariance_probl
 CPU = torch.device("cpu")
 
 
-def _kernels():
-    from plinth_plugin_cpukernels.backend import accelerator_isa
-    from plinth_plugin_cpukernels.kernels import load_kernels
-
-    return load_kernels(accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu"))))
-
-
-def use_amx(on: bool) -> None:
-    """bf16 pages on AMX tiles (on) or vector registers for the calls that
-    follow (one path per process, as PLINTH_CPU_AMX_ATTENTION sets it at
-    start-up); skips where this build, CPU or kernel has no tiles."""
-    if _kernels().set_amx_attention(on) != on:
-        pytest.skip("no AMX tiles in this build, CPU or kernel")
-
-
-@pytest.fixture(autouse=True)
-def vector_attention_after():
-    yield
-    _kernels().set_amx_attention(False)
-
-
 @pytest.fixture(scope="module")
 def tables():
     acc = load_accelerator("cpu")
@@ -63,22 +42,22 @@ def tables():
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("fused", [False, True], ids=["attention", "qkv_attention"])
 @pytest.mark.parametrize("amx", [False, True], ids=["vector", "amx"])
-def test_rows_are_bit_identical_every_way(tables, dtype, window, fused, amx):
+def test_rows_are_bit_identical_every_way(tables, attention_path, dtype, window, fused, amx):
     ops = tables(dtype, True)
     if amx and dtype != torch.bfloat16:
         pytest.skip("AMX tiles take bf16 pages only")
-    use_amx(amx)
+    attention_path(amx)
     case = InvarianceCase(length=50, window=window, fused=fused)
     problems = attention_invariance_problems(ops, dtype, CPU, case=case)
     assert not problems, "\n".join(problems)
 
 
-def test_rows_are_bit_identical_past_one_pass_of_keys(tables):
+def test_rows_are_bit_identical_past_one_pass_of_keys(tables, attention_path):
     """300 positions: the AMX path's weighted sum carries its C tiles across
     passes of 256 keys (the vector path carries nothing); rows still equal
     every way."""
     ops = tables(torch.bfloat16, True)
-    use_amx(True)
+    attention_path(True)
     case = InvarianceCase(length=300)
     problems = attention_invariance_problems(ops, torch.bfloat16, CPU, page_sizes=(16,), case=case)
     assert not problems, "\n".join(problems)
@@ -110,13 +89,13 @@ def test_default_mode_attends_with_the_same_kernel(tables, fused):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("amx", [False, True], ids=["vector", "amx"])
-def test_prefill_tiles_against_float64(dtype, window, amx):
+def test_prefill_tiles_against_float64(native_kernels, attention_path, dtype, window, amx):
     """The kernel's prefill path (tiles of query rows over shared key blocks)
     is right, not only invariant: chunks after cached prefixes of several
     lengths, against softmax(q k^T) v in float64 over the same pages, on
     vector registers and (bf16 pages, where the CPU has them) AMX tiles."""
-    kernels = _kernels()
-    use_amx(amx)
+    kernels = native_kernels
+    attention_path(amx)
     g = torch.Generator().manual_seed(7)
     page_size, hq, hkv, d = 7, 9, 3, 64
     seqs = [(0, 50), (13, 20), (40, 1), (0, 3), (90, 17), (250, 30)]  # (cached, new); 280 keys: two AMX passes
@@ -151,7 +130,7 @@ def test_deterministic_mode_declines_no_attention_op():
 
 
 @pytest.mark.parametrize("env", ["", "1"], ids=["default", "amx-attention"])
-def test_amx_attention_follows_the_environment(env, monkeypatch):
+def test_amx_attention_follows_the_environment(native_kernels, attention_path, env, monkeypatch):
     """PLINTH_CPU_AMX_ATTENTION=1 puts the backend's attention on AMX tiles
     where the linears have them; by default it stays on vector registers
     (the two paths' bits differ, so the output tells which ran)."""
@@ -172,10 +151,9 @@ def test_amx_attention_follows_the_environment(env, monkeypatch):
     ops.prepare_attention(meta)
     got = ops.attention(q, q[:, :3], q[:, 3:6], (k_pages, v_pages), meta, scale=0.1)
     k_after, v_after = k_pages.clone(), v_pages.clone()  # with this step's K/V written
-    kernels = _kernels()
     paths = {}
     for on in (False, True):
-        kernels.set_amx_attention(on)
-        paths[on] = kernels.paged_attention(q, k_after, v_after, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.1, 0)
+        attention_path(on)
+        paths[on] = native_kernels.paged_attention(q, k_after, v_after, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.1, 0)
     assert not torch.equal(paths[False], paths[True])
     assert torch.equal(got, paths[env == "1"])

@@ -78,8 +78,8 @@ def amx_tiles(isa: tuple[str, ...]) -> bool:
 #: them (csrc/cpu_ops.cpp, attend_tile_amx). Off by default: on the Intel Xeon
 #: with AMX it runs a 128-row prefill chunk's attention in 0.46-0.50x the
 #: vector kernel's time but decodes in 0.96-1.31x (bench/decode_attention.py
-#: --amx off,on; docs/benchmarks.md), so it pays where long prompts dominate. Either path is batch-invariant; a process
-#: takes one for every call.
+#: --amx off,on; docs/benchmarks.md), so it pays where long prompts dominate.
+#: Either path is batch-invariant; a process takes one for every call.
 AMX_ATTENTION_ENV = "PLINTH_CPU_AMX_ATTENTION"
 
 

@@ -300,6 +300,18 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 #endif
 }
 
+// the rows (D elements each) of the n <= 16 positions from blk (none at or past
+// last) prefetched from pages in no order: a block's K rows, ahead of use
+template <typename T>
+inline void prefetch_block(const T* base, const int32_t* table, int64_t blk, int64_t n, int64_t last, int64_t ps,
+                           int64_t D) {
+  if (blk >= last) return;
+  int64_t rows[16];
+  const int64_t m = std::min(n, last - blk);
+  block_rows(table, blk, m, ps, rows);
+  for (int64_t t = 0; t < m; ++t) prefetch_row(base + rows[t] * D, D * sizeof(T));
+}
+
 // Softmax of each query i < NQ (row i / G) over its own blocks of scores
 // [NQ][span] (position first + j at column j; first a multiple of W): max
 // (exact in any order), the exponentials (0 outside [lo, hi)), their sum
@@ -406,7 +418,7 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
   float* scores = sc.scores.data();
   float* kbuf = sc.kbuf.data();
   float* acc = sc.acc.data();
-  int64_t krows[W], nrows[W];
+  int64_t krows[W];
   auto in_block = [&](int64_t r, int64_t blk) { return blk < hi[r] && blk + W > lo[r]; };
   // scores: a block of W K rows at a time, every query of the tile against it.
   // float32 rows are read in place; bfloat16 rows with AVX512-BF16 too, by dot
@@ -431,12 +443,7 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
 #endif
   const bool direct = std::is_same<T, float>::value || dot;
   const T* kr[W];
-  auto prefetch_k = [&](int64_t blk) {  // the K rows of the block at position blk, if any
-    if (blk >= last) return;
-    const int64_t mn = std::min<int64_t>(W, last - blk);
-    block_rows(table, blk, mn, ps, nrows);
-    for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * sizeof(T));
-  };
+  auto prefetch_k = [&](int64_t blk) { prefetch_block(kp, table, blk, W, last, ps, D); };
   for (int64_t blk = first; blk < last; blk += W) {
     const int64_t m = std::min<int64_t>(W, last - blk);
     block_rows(table, blk, m, ps, krows);
@@ -530,7 +537,6 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
     for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(o + d, acc[i * Dv + d]);
   }
 }
-
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define PLINTH_AMX_ATTENTION 1
@@ -675,14 +681,9 @@ __attribute__((noinline)) void attend_tile_amx(const float* qf, int64_t qs, uint
   sc.scores.resize(NQP * span);
   sc.kt.resize(AMX_KEYS_PER_PASS / KB * DC * 512);
   float* scores = sc.scores.data();
-  int64_t krows[PB], nrows[KB];
+  int64_t krows[PB];
   const uint16_t* kr[KB];
-  auto prefetch_k = [&](int64_t blk) {
-    if (blk >= last) return;
-    const int64_t mn = std::min<int64_t>(KB, last - blk);
-    block_rows(table, blk, mn, ps, nrows);
-    for (int64_t t = 0; t < mn; ++t) prefetch_row(kp + nrows[t] * D, D * 2);
-  };
+  auto prefetch_k = [&](int64_t blk) { prefetch_block(kp, table, blk, KB, last, ps, D); };
   // the block's K^T pair lines into kt (line j of chunk c: features 32c + 2j,
   // + 1 of the 16 keys); K rows two blocks ahead and the block's V rows
   // (for the weighted sum) prefetched, from pages in no order
