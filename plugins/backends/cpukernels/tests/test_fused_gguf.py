@@ -179,3 +179,21 @@ def test_backend_splits_batches_between_fused_and_dense(name, amx, monkeypatch):
         weight.fused = torch.zeros_like(weight.fused)
         assert torch.equal(ops.linear(x[:FUSED_GGUF_ROWS], weight, bias), bias.expand(FUSED_GGUF_ROWS, n))
         assert torch.equal(ops.linear(x, weight, bias), whole)
+
+
+def test_dense_copy_budget_counts_the_fused_records(monkeypatch):
+    """The dense copies' share of memory pays for their fused records too: a
+    budget of two dense copies and a little holds one copy and its records,
+    and the second weight keeps its blocks alone."""
+    from plinth_plugin_cpukernels import quant
+
+    n, k = 100, 512
+    dense = n * k * 2
+    records = torch.zeros(123, dtype=torch.uint8)
+    monkeypatch.setattr(quant, "_available_memory", lambda: int((2 * dense + 100) / quant.DENSE_COPY_SHARE))
+    ops = quant.GGUFOps(NATIVE, True, dense_pack=lambda w: w, dense_dtype=torch.bfloat16, invariant=True, fused_pack=lambda w: records)
+    blocks, _ = random_blocks("Q4_1", n, k)
+    packed = [ops.pack(QuantizedWeight(format="gguf_q4_1", qweight=blocks, scale=torch.empty(0), shape=(n, k), block_size=(1, 32))) for _ in range(2)]
+    assert packed[0].dense is not None and packed[0].fused is records
+    assert ops.dense_budget == dense + 100 - records.numel()
+    assert packed[1].dense is None and packed[1].fused is None

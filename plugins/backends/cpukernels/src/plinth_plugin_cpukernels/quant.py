@@ -163,7 +163,7 @@ def _available_memory() -> int:
 
 
 #: the share of the memory available at the first GGUF weight that dense
-#: copies for large batches may take
+#: copies for large batches (and their fused records) may take
 DENSE_COPY_SHARE = 0.25
 #: deterministic mode's path for GGUF weights: "dense" (the default: their
 #: dense copies where they fit) or "integer" (GGUFOps)
@@ -237,6 +237,8 @@ class GGUFOps:
                 packed.dense = self.dense_pack(packed.dequantize(self._kernels, bf16))
                 if packed.dense is not None and self.fused_pack is not None:
                     packed.fused = self.fused_pack(packed)
+                    if packed.fused is not None:  # its records (~0.3-0.5x the blocks' dense size) share the budget
+                        self.dense_budget -= packed.fused.numel() * packed.fused.element_size()
         return packed
 
     def linear(self, x: Any, weight: GGUFLinear, bias: Any = None) -> Any:
