@@ -463,7 +463,12 @@ inline void fused_group(const uint16_t* xb, int64_t ldx, int mr, const uint8_t* 
 // so the kernel is batch-invariant like the streaming one, and on CPUs with
 // AMX it is several times faster from a few rows up (bench/small_gemm.py).
 // Its bits are not the vdpbf16ps kernel's (another order inside a tile): a
-// weight takes one of the two for every batch in deterministic mode.
+// weight takes one of the two for every batch in deterministic mode. (The
+// tile's order is known, bench/amx_numerics.cpp: per 32-k tile, the even-k
+// and the odd-k products each summed in fp32 in k order, then C + (E + O).
+// Two vdpbf16ps chains reproduce it bit for bit, but for 1-2 rows they ran
+// 1.4-2x slower than the tiles, which cost no more at 1 row than the
+// vdpbf16ps kernel: few rows stay on the tiles.)
 // Linux grants the tile registers on request (arch_prctl, once per process).
 #if defined(PLINTH_LIN_AMX)
 struct alignas(64) TileConfig {
