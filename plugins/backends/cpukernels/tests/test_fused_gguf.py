@@ -23,7 +23,7 @@ from test_quant import random_blocks  # noqa: E402
 from test_small_gemm import AVX2, NATIVE, X86, amx_kernels  # noqa: E402
 
 CPU = load_accelerator("cpu")
-FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 #: (N, K): N not a multiple of 16, K not a multiple of 256; SmolLM2's o projection
 SHAPES = [(17, 32), (40, 96), (100, 288), (33, 800), (576, 576)]
 ROWS = [1, 2, 3, 4, 7, 8, 9, 16]
@@ -32,13 +32,13 @@ NATIVE_HAS_IT = linear_kernel_path(NATIVE) == "avx512-bf16 (vdpbf16ps)"
 
 def _blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
     """Quantized by gguf, with every 7th block's scale an f16 subnormal (the
-    dequantized values' smallest magnitudes) and Q4_1 minimums of both signs."""
+    dequantized values' smallest magnitudes) and Q4_1/Q5_1 minimums of both signs."""
     blocks, _ = random_blocks(name, n, k, seed)
     _, _, nbytes = GGUF_FORMATS[name]
     view = blocks.view(n, k // 32, nbytes)
     rng = np.random.default_rng(seed)
     view[:, ::7, 0:2] = torch.from_numpy(np.frombuffer(rng.integers(1, 0x3FF, view[:, ::7, 0].numel()).astype(np.uint16).tobytes(), np.uint8).copy()).view(view[:, ::7, 0:2].shape)
-    if name == "Q4_1":
+    if name in ("Q4_1", "Q5_1"):
         m = rng.uniform(-2, 2, (n, k // 32)).astype(np.float16)
         view[:, :, 2:4] = torch.from_numpy(np.frombuffer(m.tobytes(), np.uint8).copy()).view(n, k // 32, 2)
     return blocks
@@ -100,7 +100,7 @@ def test_fused_rejects_bad_input():
         lin.gguf_fused_linear(torch.randn(2, 64), fused, 1, 20, 64, None)
     with pytest.raises(RuntimeError, match="do not match"):
         lin.gguf_fused_linear(torch.randn(2, 64).bfloat16(), fused, 1, 40, 64, None)
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1 or Q8_0"):
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0"):
         lin.gguf_fused_pack(blocks, 3, 20, 64)
 
 
@@ -123,6 +123,10 @@ def test_the_default_mode_takes_it_on_amx_tiles_only(monkeypatch):
     assert SmallGemm(NATIVE, invariant=True).fused_gguf_rows == FUSED_GGUF_ROWS
     small = SmallGemm(NATIVE)
     assert (small.fused_gguf_pack(blocks, 1, 20, 64) is not None) == small.amx()
+    # Q5_0: deterministic mode takes its records, the default mode keeps the integer kernel (faster at 1 row)
+    q5 = _blocks("Q5_0", 20, 64, seed=0)
+    assert (SmallGemm(NATIVE, invariant=True).fused_gguf_pack(q5, 6, 20, 64) is not None) == NATIVE_HAS_IT
+    assert small.fused_gguf_pack(q5, 6, 20, 64) is None
     monkeypatch.setenv(AMX_ENV, "0")
     assert SmallGemm(NATIVE).fused_gguf_pack(blocks, 1, 20, 64) is None
 
@@ -152,7 +156,7 @@ def test_default_mode_runs_small_batches_on_the_records_with_amx(name):
 
 
 @pytest.mark.parametrize("amx", ["", "0"], ids=["amx-if-here", "amx-off"])
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q8_0", "Q4_K"])
 def test_backend_splits_batches_between_fused_and_dense(name, amx, monkeypatch):
     """Through the op table: few rows on the fused records, more on the dense
     copy, and every row the same bits alone or in any batch (the split is at

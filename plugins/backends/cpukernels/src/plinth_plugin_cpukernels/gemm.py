@@ -92,11 +92,18 @@ SMALL_ROWS = {
 #: copies may take (they double the dense weights' memory)
 SMALL_COPY_SHARE = 0.25
 ROWS_ENV = "PLINTH_CPU_SMALL_GEMM_ROWS"
-#: deterministic mode, GGUF Q4_0/Q4_1/Q8_0 weights with a bfloat16 dense copy:
+#: deterministic mode, GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights with a bfloat16 dense copy:
 #: batches of up to this many rows take the fused kernel on the blocks, larger
 #: ones the dense copy (bit-identical results, see ``SmallGemm.fused_gguf_pack``)
 FUSED_GGUF_ROWS = 8
 FUSED_GGUF_ROWS_ENV = "PLINTH_CPU_FUSED_GGUF_ROWS"
+#: the GGUF format codes (quant.py: Q4_0, Q4_1, Q8_0) whose records the default
+#: mode takes on AMX tiles below 12 rows: there they beat the integer kernel
+#: at every small batch (Q4_1: 0.9x its time at 1 row, 0.3x at 8,
+#: bench/batch_invariant.py). Q5_0's do at 2 rows and more (0.85x at 2, 0.33x
+#: at 8) but not at 1 (1.18x, bench/fused_q5.py), the decode of one sequence:
+#: its default stays the integer kernel (Intel Xeon with AMX, one thread).
+DEFAULT_MODE_RECORDS = frozenset({0, 1, 2})
 #: the row limit of deterministic mode: every batch
 ALL_ROWS = 1 << 62
 #: bf16 weights on CPUs with AMX (``linear_amx``): the row limit in the default
@@ -228,12 +235,12 @@ class SmallGemm:
         (AVX-512F, AVX2+FMA, scalar) do not offer it: the dense copy serves
         every batch there, as before.
 
-        The default mode takes the records too where they run on AMX tiles:
-        there they beat the integer kernel at every small batch (0.9x its time
-        at 1 row, 0.3x at 8: bench/batch_invariant.py, Intel Xeon with AMX)."""
+        The default mode takes the records too where they run on AMX tiles,
+        for the formats where they beat the integer kernel at every small
+        batch (``DEFAULT_MODE_RECORDS``)."""
         if self.invariant and self.fused_gguf_rows <= 0:
             return None
-        if not self.invariant and not self.amx():
+        if not self.invariant and (not self.amx() or code not in DEFAULT_MODE_RECORDS):
             return None
         if self.kernels is None:
             self.kernels = load_linear_kernels(self.isa)

@@ -294,18 +294,20 @@ inline void store_tile(const float* tile, int nrow, int ncol_tile, int64_t n0, i
 
 
 // ---------------------------------------------------------------- fused GGUF blocks (deterministic mode)
-// Q4_0, Q4_1 and Q8_0 weights (format codes as quant.py), repacked at load by
-// gguf_fused_pack into records of 16 output rows x 32 k (one GGUF block per
-// row), still ~4.5-8.5 bits a weight:
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights (format codes as quant.py), repacked
+// at load by gguf_fused_pack into records of 16 output rows x 32 k (one GGUF
+// block per row), still ~4.5-8.5 bits a weight:
 //   Q4_x: 4 x 64 bytes of nibbles, then 16 f16 d (Q4_1: then 16 f16 m).
 //         Line 2c+h, dword lane 2r+s: row 8h+r's weights k = 2(8c+j)+s at
 //         bits 4j..4j+3, j = 0..7 (the pairs of kk = 8c+j for that lane).
+//   Q5_x: Q4_x's nibble lines, then 4 x 16 bytes of fifth bits (line 2c+h,
+//         byte 2r+s, bit j: the same weight as nibble j there), then d (and m).
 //   Q8_0: 32 x 16 bytes: line 2kk+h, byte 2r+s = row 8h+r's q[2kk+s]; then 16 f16 d.
 // The kernel dequantizes a record in registers to EXACTLY the bf16 values of
 // gguf_dequantize(bf16=True) (quant_ops.cpp): there v = fma(u, d, m - d*offset)
 // rounded once to fp32; d*(u - offset) is exact in fp32 (an f16 times at most
 // 8 bits), so v = round_fp32(d*(u - offset) + m) whichever way it is computed
-// (here d*(u - 8) or d*q with one multiply, Q4_1 one fma), then rounded to
+// (here d*(u - 8) or d*q with one multiply, Q4_1/Q5_1 one fma), then rounded to
 // nearest even into bf16 (vcvtne2ps2bf16, as vcvtneps2bf16 there; no fp32
 // subnormal can arise: every value is 0 or a multiple of 2^-24). Each pair
 // vector then meets the activations in the SAME vdpbf16ps sequence as
@@ -316,10 +318,30 @@ inline void store_tile(const float* tile, int nrow, int ncol_tile, int64_t n0, i
 // dense copy for many, and stay batch-invariant.
 // Only the AVX512-BF16 build has the kernel (gguf_fused_formats() is empty
 // elsewhere, and the dense copy runs as before); the pack is portable.
-constexpr int GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2;
+constexpr int GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7;
 
-inline int64_t gguf_block_bytes(int fmt) { return fmt == GGUF_Q4_0 ? 18 : fmt == GGUF_Q4_1 ? 20 : 34; }
-constexpr int64_t fused_record_bytes(int fmt) { return fmt == GGUF_Q4_0 ? 288 : fmt == GGUF_Q4_1 ? 320 : 544; }
+constexpr bool fused_format(int64_t fmt) {
+  return fmt == GGUF_Q4_0 || fmt == GGUF_Q4_1 || fmt == GGUF_Q5_0 || fmt == GGUF_Q5_1 || fmt == GGUF_Q8_0;
+}
+constexpr bool five_bits(int fmt) { return fmt == GGUF_Q5_0 || fmt == GGUF_Q5_1; }
+constexpr bool with_min(int fmt) { return fmt == GGUF_Q4_1 || fmt == GGUF_Q5_1; }
+inline int64_t gguf_block_bytes(int fmt) {
+  return fmt == GGUF_Q4_0 ? 18 : fmt == GGUF_Q4_1 ? 20 : fmt == GGUF_Q5_0 ? 22 : fmt == GGUF_Q5_1 ? 24 : 34;
+}
+// where a record's 16 f16 d start (m follows them)
+constexpr int64_t fused_scales_at(int fmt) { return fmt == GGUF_Q8_0 ? 512 : five_bits(fmt) ? 320 : 256; }
+constexpr int64_t fused_record_bytes(int fmt) { return fused_scales_at(fmt) + (with_min(fmt) ? 64 : 32); }
+// run(std::integral_constant<int, FMT>{}) for a fused format code
+template <class Run>
+inline void with_fused_format(int64_t fmt, Run&& run) {
+  switch (fmt) {
+    case GGUF_Q4_0: return run(std::integral_constant<int, GGUF_Q4_0>{});
+    case GGUF_Q4_1: return run(std::integral_constant<int, GGUF_Q4_1>{});
+    case GGUF_Q5_0: return run(std::integral_constant<int, GGUF_Q5_0>{});
+    case GGUF_Q5_1: return run(std::integral_constant<int, GGUF_Q5_1>{});
+    default: return run(std::integral_constant<int, GGUF_Q8_0>{});
+  }
+}
 
 #if defined(PLINTH_LIN_AVX512BF16)
 constexpr int FUSED_MG = 8;  // rows per group
@@ -344,17 +366,19 @@ inline __m512i pair_rows(int base) {
 template <int NR, int FMT, class Step>
 inline void gguf_block_pairs(const uint8_t* const* rec, Step&& step) {
   const __m512i lo_rows = pair_rows(0), hi_rows = pair_rows(8);
-  // u -> float(u - offset): vpermps reads only an index's low 4 bits
-  const __m512 utab = FMT == GGUF_Q4_0
-                          ? _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8)
-                          : _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // u -> float(u - offset): vpermps reads only an index's low 4 bits, vpermt2ps 5 (u16 from the second table)
+  const __m512 utab = FMT == GGUF_Q4_0   ? _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8)
+                      : FMT == GGUF_Q5_0 ? _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, -9, -10, -11, -12, -13, -14, -15, -16)
+                                         : _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 utab16 = FMT == GGUF_Q5_0 ? _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+                                         : _mm512_set_ps(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16);
   __m512 dlo[NR], dhi[NR], mlo[NR], mhi[NR];
-  constexpr int64_t SCALES = FMT == GGUF_Q8_0 ? 512 : 256;
+  constexpr int64_t SCALES = fused_scales_at(FMT);
   for (int j = 0; j < NR; ++j) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[j] + SCALES)));
     dlo[j] = _mm512_permutexvar_ps(lo_rows, d);
     dhi[j] = _mm512_permutexvar_ps(hi_rows, d);
-    if constexpr (FMT == GGUF_Q4_1) {
+    if constexpr (with_min(FMT)) {
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[j] + SCALES + 32)));
       mlo[j] = _mm512_permutexvar_ps(lo_rows, m);
       mhi[j] = _mm512_permutexvar_ps(hi_rows, m);
@@ -375,16 +399,31 @@ inline void gguf_block_pairs(const uint8_t* const* rec, Step&& step) {
     }
   } else {
     for (int c = 0; c < 2; ++c) {
-      __m512i qlo[NR], qhi[NR];
+      __m512i qlo[NR], qhi[NR], hlo[NR], hhi[NR];
       for (int j = 0; j < NR; ++j) {
         qlo[j] = _mm512_loadu_si512(rec[j] + 128 * c);
         qhi[j] = _mm512_loadu_si512(rec[j] + 128 * c + 64);
+        if constexpr (five_bits(FMT)) {  // a lane's 8 fifth bits, bit j for its nibble j
+          hlo[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[j] + 256 + 32 * c)));
+          hhi[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[j] + 256 + 32 * c + 16)));
+        }
       }
       for (int p = 0; p < 8; ++p) {
         __m512bh wv[NR];
         for (int j = 0; j < NR; ++j) {
-          __m512 vlo = _mm512_permutexvar_ps(qlo[j], utab), vhi = _mm512_permutexvar_ps(qhi[j], utab);
-          if constexpr (FMT == GGUF_Q4_1) {
+          __m512 vlo, vhi;
+          if constexpr (five_bits(FMT)) {
+            // index = nibble p (bits 0-3) | fifth bit p moved to bit 4: (A & 0xF) | (B & ~0xF)
+            const __m512i nib = _mm512_set1_epi32(0xF);
+            const __m512i blo = p <= 4 ? _mm512_slli_epi32(hlo[j], 4 - p) : _mm512_srli_epi32(hlo[j], p - 4);
+            const __m512i bhi = p <= 4 ? _mm512_slli_epi32(hhi[j], 4 - p) : _mm512_srli_epi32(hhi[j], p - 4);
+            vlo = _mm512_permutex2var_ps(utab, _mm512_ternarylogic_epi32(qlo[j], blo, nib, 0xE4), utab16);
+            vhi = _mm512_permutex2var_ps(utab, _mm512_ternarylogic_epi32(qhi[j], bhi, nib, 0xE4), utab16);
+          } else {
+            vlo = _mm512_permutexvar_ps(qlo[j], utab);
+            vhi = _mm512_permutexvar_ps(qhi[j], utab);
+          }
+          if constexpr (with_min(FMT)) {
             vlo = _mm512_fmadd_ps(vlo, dlo[j], mlo[j]);
             vhi = _mm512_fmadd_ps(vhi, dhi[j], mhi[j]);
           } else {
@@ -764,23 +803,20 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N, int64
 torch::Tensor gguf_fused_linear_amx(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N, int64_t K,
                                     c10::optional<torch::Tensor> bias) {
 #if defined(PLINTH_LIN_AMX)
-  TORCH_CHECK(fmt == GGUF_Q4_0 || fmt == GGUF_Q4_1 || fmt == GGUF_Q8_0, "gguf_fused_linear_amx: Q4_0, Q4_1 or Q8_0 only, got format ", fmt);
+  TORCH_CHECK(fused_format(fmt), "gguf_fused_linear_amx: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 only, got format ", fmt);
   const int64_t nblk = K / 32, wstride = nblk * fused_record_bytes(int(fmt));
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == (N + BLK - 1) / BLK * wstride,
               "gguf_fused_linear_amx: packed records do not match N, K");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   return amx_linear_rows("gguf_fused_linear_amx", x, N, K, bias, [&](int nt, const uint16_t* xr, int64_t nb, float* c, bool) {
     const uint8_t* wg = w + nb * wstride;
-    auto run = [&](auto fmt_tag) {
+    with_fused_format(fmt, [&](auto fmt_tag) {
       constexpr int F = decltype(fmt_tag)::value;
       if (nt == 4) amx_fused_blocks<4, F>(xr, K * 2, wg, wstride, nblk, c);
       else if (nt == 3) amx_fused_blocks<3, F>(xr, K * 2, wg, wstride, nblk, c);
       else if (nt == 2) amx_fused_blocks<2, F>(xr, K * 2, wg, wstride, nblk, c);
       else amx_fused_blocks<1, F>(xr, K * 2, wg, wstride, nblk, c);
-    };
-    if (fmt == GGUF_Q4_0) run(std::integral_constant<int, GGUF_Q4_0>{});
-    else if (fmt == GGUF_Q4_1) run(std::integral_constant<int, GGUF_Q4_1>{});
-    else run(std::integral_constant<int, GGUF_Q8_0>{});
+    });
   });
 #else
   (void)x; (void)packed; (void)fmt; (void)N; (void)K; (void)bias;
@@ -793,16 +829,16 @@ torch::Tensor gguf_fused_linear_amx(torch::Tensor x, torch::Tensor packed, int64
 // the GGUF format codes gguf_fused_linear runs in this build (empty: none)
 std::vector<int64_t> gguf_fused_formats() {
 #if defined(PLINTH_LIN_AVX512BF16)
-  return {GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0};
+  return {GGUF_Q4_0, GGUF_Q4_1, GGUF_Q5_0, GGUF_Q5_1, GGUF_Q8_0};
 #else
   return {};
 #endif
 }
 
-// GGUF blocks uint8 [N, K/32 * block bytes] (Q4_0, Q4_1, Q8_0) -> the fused
+// GGUF blocks uint8 [N, K/32 * block bytes] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) -> the fused
 // records, uint8 [ceil(N/16) * K/32 * record bytes] (rows past N: zeros)
 torch::Tensor gguf_fused_pack(torch::Tensor blocks, int64_t fmt, int64_t N, int64_t K) {
-  TORCH_CHECK(fmt == GGUF_Q4_0 || fmt == GGUF_Q4_1 || fmt == GGUF_Q8_0, "gguf_fused_pack: Q4_0, Q4_1 or Q8_0 only, got format ", fmt);
+  TORCH_CHECK(fused_format(fmt), "gguf_fused_pack: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 only, got format ", fmt);
   TORCH_CHECK(K % 32 == 0, "gguf_fused_pack: K must be a multiple of 32");
   blocks = blocks.contiguous();
   const int64_t nblk = K / 32, bb = gguf_block_bytes(int(fmt)), rec = fused_record_bytes(int(fmt));
@@ -824,15 +860,19 @@ torch::Tensor gguf_fused_pack(torch::Tensor blocks, int64_t fmt, int64_t N, int6
             std::memcpy(r + 512 + 2 * l, blk, 2);
             continue;
           }
-          const uint8_t* qs = blk + (fmt == GGUF_Q4_0 ? 2 : 4);
+          const int f = int(fmt), at = with_min(f) ? 4 : 2;  // after d (and m)
+          const uint8_t* qs = blk + at + (five_bits(f) ? 4 : 0);
+          uint32_t qh = 0;  // Q5_x: bit k is weight k's fifth bit
+          if (five_bits(f)) std::memcpy(&qh, blk + at, 4);
           for (int k = 0; k < 32; ++k) {
             const uint8_t nib = k < 16 ? (qs[k] & 0xF) : (qs[k - 16] >> 4);
             const int kk = k / 2, s = k & 1, c = kk / 8, j = kk % 8;
             uint8_t* dword = r + (2 * c + h) * 64 + 4 * (lane + s);
             dword[j / 2] |= uint8_t(nib << (4 * (j & 1)));
+            if (five_bits(f)) r[256 + (2 * c + h) * 16 + lane + s] |= uint8_t(((qh >> k) & 1) << j);
           }
-          std::memcpy(r + 256 + 2 * l, blk, 2);                                  // d
-          if (fmt == GGUF_Q4_1) std::memcpy(r + 288 + 2 * l, blk + 2, 2);       // m
+          std::memcpy(r + fused_scales_at(f) + 2 * l, blk, 2);                            // d
+          if (with_min(f)) std::memcpy(r + fused_scales_at(f) + 32 + 2 * l, blk + 2, 2);  // m
         }
       }
   });
@@ -844,7 +884,7 @@ torch::Tensor gguf_fused_pack(torch::Tensor blocks, int64_t fmt, int64_t N, int6
 torch::Tensor gguf_fused_linear(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N, int64_t K,
                                 c10::optional<torch::Tensor> bias) {
 #if defined(PLINTH_LIN_AVX512BF16)
-  TORCH_CHECK(fmt == GGUF_Q4_0 || fmt == GGUF_Q4_1 || fmt == GGUF_Q8_0, "gguf_fused_linear: Q4_0, Q4_1 or Q8_0 only, got format ", fmt);
+  TORCH_CHECK(fused_format(fmt), "gguf_fused_linear: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 only, got format ", fmt);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16, "gguf_fused_linear: x must be bfloat16 [M, K]");
   TORCH_CHECK(K % 32 == 0, "gguf_fused_linear: K must be a multiple of 32");
   const int64_t M = x.size(0), NB = (N + BLK - 1) / BLK, nblk = K / 32, rec = fused_record_bytes(int(fmt));
@@ -875,9 +915,9 @@ torch::Tensor gguf_fused_linear(torch::Tensor x, torch::Tensor packed, int64_t f
           const int nr = int(std::min<int64_t>(c1 - nb, fused_nr_for(int(fmt), mr)));
           const uint8_t* wb = w + nb * wstride;
           const uint16_t* xr = xb + m0 * K;
-          if (fmt == GGUF_Q4_1) fused_group<FUSED_MG, GGUF_Q4_1>(xr, K, mr, wb, wstride, nblk, nr, tile);
-          else if (fmt == GGUF_Q4_0) fused_group<FUSED_MG, GGUF_Q4_0>(xr, K, mr, wb, wstride, nblk, nr, tile);
-          else fused_group<FUSED_MG, GGUF_Q8_0>(xr, K, mr, wb, wstride, nblk, nr, tile);
+          with_fused_format(fmt, [&](auto fmt_tag) {
+            fused_group<FUSED_MG, decltype(fmt_tag)::value>(xr, K, mr, wb, wstride, nblk, nr, tile);
+          });
           store_tile(tile, mr, nr * 16, nb * BLK, N, bptr, yp + m0 * N, N);
           nb += nr;
         }
