@@ -242,7 +242,9 @@ def add_service_routes(app: FastAPI, ctx: ServingContext, transfer: Any) -> None
     """/health, /ready, /metrics, /version, /tokenize and /detokenize."""
     engine, settings = ctx.engine, ctx.settings
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse)
+    # GET and HEAD as two routes: one route with both gives the schema two operations of one id
+    @app.get("/health", response_model=HealthResponse)
+    @app.head("/health", response_model=HealthResponse, operation_id="health_head")
     async def health() -> Response:
         """503 with the reason when the engine loop is gone (a dead rank);
         200 with ``"status": "degraded"`` and the reason when the KV
@@ -258,7 +260,8 @@ def add_service_routes(app: FastAPI, ctx: ServingContext, transfer: Any) -> None
                 return JSONResponse({"status": "degraded", "kv_connector": why})
         return JSONResponse({"status": "ok"})
 
-    @app.api_route("/ready", methods=["GET", "HEAD"], response_model=HealthResponse)
+    @app.get("/ready", response_model=HealthResponse)
+    @app.head("/ready", response_model=HealthResponse, operation_id="ready_head")
     async def ready() -> Response:
         """503 with the reason while new requests are refused (draining, failed)."""
         ok, why = engine.accepting()
