@@ -75,6 +75,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from plinth_plugin_cpukernels.quant import GGUF_FORMATS
+
 DTYPE_NAMES = ("bfloat16", "float32")
 
 LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear_ops.cpp"
@@ -97,13 +99,13 @@ ROWS_ENV = "PLINTH_CPU_SMALL_GEMM_ROWS"
 #: ones the dense copy (bit-identical results, see ``SmallGemm.fused_gguf_pack``)
 FUSED_GGUF_ROWS = 8
 FUSED_GGUF_ROWS_ENV = "PLINTH_CPU_FUSED_GGUF_ROWS"
-#: the GGUF format codes (quant.py: Q4_0, Q4_1, Q8_0) whose records the default
+#: the GGUF formats (their quant.py codes) whose records the default
 #: mode takes on AMX tiles below 12 rows: there they beat the integer kernel
 #: at every small batch (Q4_1: 0.9x its time at 1 row, 0.3x at 8,
 #: bench/batch_invariant.py). Q5_0's do at 2 rows and more (0.85x at 2, 0.33x
 #: at 8) but not at 1 (1.18x, bench/fused_q5.py), the decode of one sequence:
 #: its default stays the integer kernel (Intel Xeon with AMX, one thread).
-DEFAULT_MODE_RECORDS = frozenset({0, 1, 2})
+DEFAULT_MODE_RECORDS = frozenset(GGUF_FORMATS[name][0] for name in ("Q4_0", "Q4_1", "Q8_0"))
 #: the row limit of deterministic mode: every batch
 ALL_ROWS = 1 << 62
 #: bf16 weights on CPUs with AMX (``linear_amx``): the row limit in the default
