@@ -15,7 +15,14 @@ import torch
 from plinth.api import QuantizedWeight, SelectionContext, load_accelerator
 from plinth.testing import op_table
 from plinth_plugin_cpukernels.backend import accelerator_isa, bf16_gemm_missing
-from plinth_plugin_cpukernels.gemm import AMX_ENV, FUSED_GGUF_ROWS, SmallGemm, linear_kernel_path, load_linear_kernels
+from plinth_plugin_cpukernels.gemm import (
+    AMX_ENV,
+    FUSED_GGUF_ROWS,
+    SmallGemm,
+    fused_gguf_rows,
+    linear_kernel_path,
+    load_linear_kernels,
+)
 from plinth_plugin_cpukernels.quant import GEMM_MIN_ROWS, GGUF_FORMATS, load_quant_kernels
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -120,7 +127,12 @@ def test_the_default_mode_takes_it_on_amx_tiles_only(monkeypatch):
     """Deterministic mode always (where the build has it); the default mode
     only where the records run on AMX tiles, which beat the integer kernel."""
     blocks = _blocks("Q4_1", 20, 64, seed=0)
-    assert SmallGemm(NATIVE, invariant=True).fused_gguf_rows == FUSED_GGUF_ROWS
+    det = SmallGemm(NATIVE, invariant=True)
+    assert det.fused_gguf_rows == FUSED_GGUF_ROWS["amx" if det.amx() else "vdpbf16ps"] == fused_gguf_rows(det.amx())
+    assert SmallGemm(NATIVE).fused_gguf_rows == 0
+    monkeypatch.setenv("PLINTH_CPU_FUSED_GGUF_ROWS", "3")
+    assert det.fused_gguf_rows == 3
+    monkeypatch.delenv("PLINTH_CPU_FUSED_GGUF_ROWS")
     small = SmallGemm(NATIVE)
     assert (small.fused_gguf_pack(blocks, 1, 20, 64) is not None) == small.amx()
     # Q5_0: deterministic mode takes its records, the default mode keeps the integer kernel (faster at 1 row)
@@ -160,7 +172,7 @@ def test_default_mode_runs_small_batches_on_the_records_with_amx(name):
 def test_backend_splits_batches_between_fused_and_dense(name, amx, monkeypatch):
     """Through the op table: few rows on the fused records, more on the dense
     copy, and every row the same bits alone or in any batch (the split is at
-    FUSED_GGUF_ROWS rows); K-quants have no fused kernel."""
+    fused_gguf_rows rows, by where the records run); K-quants have no fused kernel."""
     if bf16_gemm_missing(accelerator_isa(SelectionContext(accelerator=CPU))):
         pytest.skip("this CPU cannot run oneDNN bf16 GEMMs: cpukernels leaves bf16 linear to the reference")
     monkeypatch.setenv(AMX_ENV, amx)
@@ -171,17 +183,19 @@ def test_backend_splits_batches_between_fused_and_dense(name, amx, monkeypatch):
     weight = ops.pack_linear(QuantizedWeight(format=f"gguf_{name.lower()}", qweight=blocks, scale=torch.empty(0), shape=(n, k), block_size=(1, block)))
     assert weight.dense is not None
     assert (weight.fused is not None) == (NATIVE_HAS_IT and name in FORMATS)
+    rows = fused_gguf_rows(SmallGemm(NATIVE).amx())  # PLINTH_CPU_AMX as set above
     torch.manual_seed(0)
-    x = torch.randn(2 * FUSED_GGUF_ROWS + 3, k).to(torch.bfloat16)
+    x = torch.randn(2 * rows + 3, k).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16)
     whole = ops.linear(x, weight, bias)
     for i in range(x.shape[0]):
         assert torch.equal(ops.linear(x[i : i + 1], weight, bias), whole[i : i + 1]), f"row {i}"
-    small = ops.linear(x[:FUSED_GGUF_ROWS], weight, bias)
-    assert torch.equal(small, whole[:FUSED_GGUF_ROWS])
+    small = ops.linear(x[:rows], weight, bias)
+    assert torch.equal(small, whole[:rows])
     if weight.fused is not None:  # which path ran: zeroed records give the bias alone, to few rows only
         weight.fused = torch.zeros_like(weight.fused)
-        assert torch.equal(ops.linear(x[:FUSED_GGUF_ROWS], weight, bias), bias.expand(FUSED_GGUF_ROWS, n))
+        assert torch.equal(ops.linear(x[:rows], weight, bias), bias.expand(rows, n))
+        assert torch.equal(ops.linear(x[: rows + 1], weight, bias), whole[: rows + 1])
         assert torch.equal(ops.linear(x, weight, bias), whole)
 
 

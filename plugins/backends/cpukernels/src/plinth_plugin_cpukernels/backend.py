@@ -150,7 +150,7 @@ class CPUKernelsBackend(Backend):
         # deterministic mode: one path per weight for every batch (ops() below, quant.GGUFOps)
         if str(ctx.dtype) == "torch.bfloat16" and {"avx512_bf16", "avx512bw"} <= set(isa):
             tiles = "; both on AMX tiles" if amx else ""
-            small = f"up to {fused_gguf_rows()} rows the fused kernel on the blocks where it has the format (bit-identical), more rows the copy{tiles}"
+            small = f"up to {fused_gguf_rows(amx)} rows the fused kernel on the blocks where it has the format (bit-identical), more rows the copy{tiles}"
         else:
             small = "every batch on the copy"
         path = f"a dense copy per weight within {DENSE_COPY_SHARE:.0%} of the memory, {small}; past that budget, {integer} in one order per row"

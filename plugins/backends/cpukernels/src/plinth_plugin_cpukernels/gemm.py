@@ -96,8 +96,14 @@ SMALL_COPY_SHARE = 0.25
 ROWS_ENV = "PLINTH_CPU_SMALL_GEMM_ROWS"
 #: deterministic mode, GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights with a bfloat16 dense copy:
 #: batches of up to this many rows take the fused kernel on the blocks, larger
-#: ones the dense copy (bit-identical results, see ``SmallGemm.fused_gguf_pack``)
-FUSED_GGUF_ROWS = 8
+#: ones the dense copy (bit-identical results, see ``SmallGemm.fused_gguf_pack``),
+#: by where the two run. On AMX tiles the records cost at most the copy's time
+#: up to 8 rows (bench/fused_q5.py, Intel Xeon: 12.9 vs 13.3 ms at 8). On
+#: vdpbf16ps they win up to 4 and lose from 6 (bench/batch_invariant.py
+#: --weights gguf, AMD EPYC Zen 4, one thread: 11.5 vs 17.6 ms a step at 4
+#: rows, 18.5 vs 17.5 at 6, 24.3 vs 18.6 at 8): a record's dequantizing is
+#: shared by fewer rows than the copy's loads.
+FUSED_GGUF_ROWS = {"amx": 8, "vdpbf16ps": 4}
 FUSED_GGUF_ROWS_ENV = "PLINTH_CPU_FUSED_GGUF_ROWS"
 #: the GGUF formats (their quant.py codes) whose records the default
 #: mode takes on AMX tiles below 12 rows: there they beat the integer kernel
@@ -164,9 +170,11 @@ def kernel_grants_amx() -> bool:
     return syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
 
 
-def fused_gguf_rows() -> int:
-    """Deterministic mode's row limit for the fused GGUF kernel (the setting's override or the default)."""
-    return int(os.environ.get(FUSED_GGUF_ROWS_ENV, "").strip() or FUSED_GGUF_ROWS)
+def fused_gguf_rows(amx: bool) -> int:
+    """Deterministic mode's row limit for the fused GGUF kernel on AMX tiles
+    or on vdpbf16ps (the setting's override, else ``FUSED_GGUF_ROWS``)."""
+    override = os.environ.get(FUSED_GGUF_ROWS_ENV, "").strip()
+    return int(override) if override else FUSED_GGUF_ROWS["amx" if amx else "vdpbf16ps"]
 
 
 class SmallGemm:
@@ -186,10 +194,13 @@ class SmallGemm:
             self.rows = {name: ALL_ROWS for name in DTYPE_NAMES}
         self.budget = budget
         self.kernels: Any = None
-        #: deterministic mode: rows up to which GGUF weights take the fused kernel (0: never)
-        self.fused_gguf_rows = fused_gguf_rows() if invariant else 0
         self._fused_formats: frozenset[int] | None = None
         self._amx: bool | None = None
+
+    @property
+    def fused_gguf_rows(self) -> int:
+        """Deterministic mode: rows up to which GGUF weights take the fused kernel (0: never)."""
+        return fused_gguf_rows(self.amx()) if self.invariant else 0
 
     def rows_for(self, dtype: Any) -> int:
         return self.rows.get(str(dtype).removeprefix("torch."), 0)
