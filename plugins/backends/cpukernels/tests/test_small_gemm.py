@@ -164,10 +164,11 @@ def test_builds_without_amx_say_so():
 AMX_ISA = ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
-def test_deterministic_default_asks_the_kernel_for_the_tiles(monkeypatch):
-    """On by default in bf16 only where the tiles really run: the CPU's flags,
-    PLINTH_CPU_AMX, and Linux's grant (refused before 5.16), the same grant
-    the built kernels ask for."""
+def test_deterministic_default_follows_the_linear_kernels(monkeypatch):
+    """On by default in bf16 where the tiles really run (the CPU's flags,
+    PLINTH_CPU_AMX, and Linux's grant, refused before 5.16: the same grant
+    the built kernels ask for) or, on CPUs without AMX, where the vdpbf16ps
+    kernels do; off on a CPU whose tiles stay unused, and elsewhere."""
     from plinth_plugin_cpukernels import backend
     from plinth_plugin_cpukernels.gemm import kernel_grants_amx
 
@@ -175,13 +176,19 @@ def test_deterministic_default_asks_the_kernel_for_the_tiles(monkeypatch):
         assert kernel_grants_amx() == bool(load_linear_kernels(NATIVE).linear_amx_available())
     monkeypatch.setattr(backend, "kernel_grants_amx", lambda: True)
     assert backend.deterministic_default(AMX_ISA, torch.bfloat16) == (True, backend.AMX_COST)
-    assert backend.deterministic_default(AMX_ISA[:3], torch.bfloat16) == (False, backend.NO_AMX_COST)
+    # AVX512-BF16 without AMX (AMD Zen 4): the vdpbf16ps kernels, measured no cost
+    assert backend.deterministic_default(AMX_ISA[:3], torch.bfloat16) == (True, backend.VDPBF16PS_COST)
+    # AVX-512F without BF16, AVX2: not measured, off
+    assert backend.deterministic_default(("avx512f", "avx512bw"), torch.bfloat16) == (False, backend.NOT_MEASURED)
+    assert backend.deterministic_default(AVX2, torch.bfloat16) == (False, backend.NOT_MEASURED)
     assert not backend.deterministic_default(AMX_ISA, torch.float32)[0]
+    assert not backend.deterministic_default(AMX_ISA[:3], torch.float32)[0]
+    # tiles on the CPU but unused: its vdpbf16ps is slow against oneDNN's AMX GEMMs, off
     monkeypatch.setattr(backend, "kernel_grants_amx", lambda: False)
-    assert backend.deterministic_default(AMX_ISA, torch.bfloat16) == (False, backend.NO_AMX_COST)
+    assert backend.deterministic_default(AMX_ISA, torch.bfloat16) == (False, backend.AMX_OFF)
     monkeypatch.setattr(backend, "kernel_grants_amx", lambda: True)
     monkeypatch.setenv(AMX_ENV, "0")
-    assert backend.deterministic_default(AMX_ISA, torch.bfloat16) == (False, backend.NO_AMX_COST)
+    assert backend.deterministic_default(AMX_ISA, torch.bfloat16) == (False, backend.AMX_OFF)
 
 
 def test_backend_routes_bf16_weights_to_amx(monkeypatch):

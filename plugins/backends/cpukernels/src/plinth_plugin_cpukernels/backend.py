@@ -21,6 +21,7 @@ from plinth_plugin_cpukernels.gemm import (
     amx_allowed,
     fused_gguf_rows,
     kernel_grants_amx,
+    linear_kernel_path,
     make_fused_gguf_linear,
     make_linear,
     pack_linear,
@@ -41,9 +42,14 @@ AMX_COST = (
     "measured no cost with AMX: 1.10x the default's output tok/s at concurrency 1 and 1.11x at 16 "
     "(SmolLM2 GGUF, bf16, Intel Xeon with AMX, 2 cores)"
 )
-NO_AMX_COST = (
-    "measured 1.61x the default's time at concurrency 1 without AMX "
-    "(SmolLM2 GGUF, bf16, AMD EPYC Zen 4 with AVX512-BF16, 2 cores; before the fused GGUF kernel)"
+VDPBF16PS_COST = (
+    "measured no cost on vdpbf16ps: 1.01x the default's output tok/s at concurrency 1 and 1.00x at 16 "
+    "(SmolLM2 GGUF, bf16, AMD EPYC Zen 4 with AVX512-BF16, 2 cores)"
+)
+NOT_MEASURED = "not measured under 5% without AVX512-BF16 (the fused GGUF kernel and the bf16 streaming kernel need it)"
+AMX_OFF = (
+    "off with AMX tiles left unused (PLINTH_CPU_AMX=0, or Linux does not grant them): "
+    "the vdpbf16ps kernel there runs at a fraction of oneDNN's AMX GEMMs from 8 rows up"
 )
 #: oneDNN runs bfloat16 GEMMs only with one of these (torch checks the same
 #: before its bf16 path and raises otherwise): AVX-512 BW+VL+DQ, AVX-NE-CONVERT
@@ -91,14 +97,22 @@ def amx_attention(isa: tuple[str, ...]) -> bool:
 def deterministic_default(isa: tuple[str, ...], dtype: Any) -> tuple[bool, str]:
     """Whether deterministic mode is on by default here, and the measurement
     behind it (docs/benchmarks.md, "Deterministic mode's cost"): on with
-    bfloat16 on CPUs with AMX tiles, where every linear runs batch-invariant
-    on them (gemm.py) at the default's speed; off elsewhere, where the
-    streaming kernel replaces oneDNN for large batches."""
-    if str(dtype) == "torch.bfloat16" and amx_tiles(isa):
+    bfloat16 where the linears run batch-invariant at the default's speed,
+    on AMX tiles or on vdpbf16ps (the fused GGUF records for few rows, the
+    streaming kernel, as fast as oneDNN from 1 to 256 rows on AMD Zen 4, for
+    the rest: gemm.py); off on CPUs with AMX whose tiles stay unused (their
+    vdpbf16ps is slow), and elsewhere (AVX-512F without BF16, AVX2, other
+    CPUs), where the streaming kernel replaces oneDNN for large batches
+    unmeasured."""
+    if str(dtype) != "torch.bfloat16":
+        return False, "measured in bfloat16 only (float32 is off by default)"
+    if amx_tiles(isa):
         return True, AMX_COST
-    if str(dtype) == "torch.bfloat16":
-        return False, NO_AMX_COST
-    return False, "measured in bfloat16 only (float32 is off by default)"
+    if {"amx_tile", "amx_bf16"} <= set(isa):
+        return False, AMX_OFF
+    if linear_kernel_path(isa) == "avx512-bf16 (vdpbf16ps)":
+        return True, VDPBF16PS_COST
+    return False, NOT_MEASURED
 
 
 class CPUKernelsBackend(Backend):
