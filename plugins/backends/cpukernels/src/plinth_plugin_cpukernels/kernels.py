@@ -64,11 +64,25 @@ def isa_cflags(isa: Iterable[str], machine: str | None = None) -> list[str]:
     return []
 
 
+#: how every kernel is bound to Python: torch's error handling, and the GIL
+#: released while it runs (load_inline's own bindings keep it held), so the
+#: server's event loop, on another thread, streams and parses requests while
+#: a step's kernels run instead of waiting for the next Python line between
+#: them. The kernels take tensors and numbers only, never a Python object.
+BINDING = "torch::wrap_pybind_function_no_gil"
+
+
+def bindings(functions: list[str]) -> str:
+    """The pybind11 module that binds ``functions`` with ``BINDING``."""
+    lines = [f'  m.def("{name}", {BINDING}({name}), "{name}");' for name in functions]
+    return "\n".join(["PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {", *lines, "}"])
+
+
 def build_name(isa: Iterable[str], source: Path = SOURCE, prefix: str = "plinth_cpukernels") -> str:
     import torch
 
     flags = BASE_CFLAGS + isa_cflags(isa)
-    key = "|".join([source.read_text(), " ".join(flags), platform.machine(), torch.__version__])
+    key = "|".join([source.read_text(), BINDING, " ".join(flags), platform.machine(), torch.__version__])
     return f"{prefix}_{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 
@@ -129,8 +143,7 @@ def load_extension(source: Path, functions: list[str], isa: Iterable[str], *, pr
             with build_lock(build_dir):
                 _kernels[name] = load_inline(
                     name=name,
-                    cpp_sources=[source.read_text()],
-                    functions=functions,
+                    cpp_sources=[source.read_text(), bindings(functions)],
                     extra_cflags=flags,
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir),
