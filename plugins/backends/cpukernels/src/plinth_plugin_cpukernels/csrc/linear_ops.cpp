@@ -233,7 +233,8 @@ inline void ukernel_f32(const float* x, int64_t ldx, const float* w, int64_t wst
 // constant offset from one pointer; with one pointer per row, 16 rows
 // outnumbered the general registers and the pointers went through vector
 // registers (vmovq), ~1.2x the time at 128 rows (Zen 4, perf annotate).
-// A layout only: every output's sum is unchanged, bit for bit.
+// A layout only: every output's sum is unchanged, bit for bit. One row is
+// already in it (its pairs in order), so a decode of one sequence skips it.
 inline torch::Tensor interleave_pairs(const uint16_t* x, int64_t M, int64_t ldx, int64_t K2, int group) {
   auto out = torch::empty({M * K2}, torch::dtype(torch::kInt32));
   int32_t* dst = out.data_ptr<int32_t>();
@@ -701,8 +702,8 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor packed, int64_t N, int
     const int64_t Kp = 2 * kdim;
 #if defined(PLINTH_LIN_AVX512BF16)
     const torch::Tensor xr = (Kp == K) ? x.contiguous() : torch::constant_pad_nd(x, {0, Kp - K}, 0).contiguous();
-    xb = interleave_pairs(reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>()), M, Kp, kdim, MG);
-    p.xb = reinterpret_cast<const uint16_t*>(xb.data_ptr<int32_t>());
+    xb = M == 1 ? xr : interleave_pairs(reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>()), M, Kp, kdim, MG);
+    p.xb = reinterpret_cast<const uint16_t*>(xb.data_ptr());
 #else
     xf = torch::constant_pad_nd(x.to(at::kFloat), {0, Kp - K}, 0).contiguous();
     p.xf = xf.data_ptr<float>();
@@ -915,8 +916,8 @@ torch::Tensor gguf_fused_linear(torch::Tensor x, torch::Tensor packed, int64_t f
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   x = x.contiguous();
-  const torch::Tensor xs = interleave_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, K / 2, FUSED_MG);
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xs.data_ptr<int32_t>());
+  const torch::Tensor xs = M == 1 ? x : interleave_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, K / 2, FUSED_MG);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xs.data_ptr());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t wstride = nblk * rec;
   torch::Tensor bias_f;
