@@ -18,6 +18,7 @@ from plinth_plugin_cpukernels.backend import accelerator_isa, bf16_gemm_missing
 from plinth_plugin_cpukernels.gemm import (
     AMX_ENV,
     FUSED_GGUF_ROWS,
+    FUSED_GGUF_ROWS_ENV,
     SmallGemm,
     fused_gguf_rows,
     linear_kernel_path,
@@ -130,9 +131,9 @@ def test_the_default_mode_takes_it_on_amx_tiles_only(monkeypatch):
     det = SmallGemm(NATIVE, invariant=True)
     assert det.fused_gguf_rows == FUSED_GGUF_ROWS["amx" if det.amx() else "vdpbf16ps"] == fused_gguf_rows(det.amx())
     assert SmallGemm(NATIVE).fused_gguf_rows == 0
-    monkeypatch.setenv("PLINTH_CPU_FUSED_GGUF_ROWS", "3")
+    monkeypatch.setenv(FUSED_GGUF_ROWS_ENV, "3")
     assert det.fused_gguf_rows == 3
-    monkeypatch.delenv("PLINTH_CPU_FUSED_GGUF_ROWS")
+    monkeypatch.delenv(FUSED_GGUF_ROWS_ENV)
     small = SmallGemm(NATIVE)
     assert (small.fused_gguf_pack(blocks, 1, 20, 64) is not None) == small.amx()
     # Q5_0: deterministic mode takes its records, the default mode keeps the integer kernel (faster at 1 row)
