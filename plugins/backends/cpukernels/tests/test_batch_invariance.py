@@ -66,14 +66,17 @@ def test_dense_linear(dtype, shape, amx, monkeypatch):
     _assert_invariant(lambda x: ops.linear(x, weight, bias), x)
 
 
+@pytest.mark.parametrize("n", [16, 200])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("isa", BUILDS, ids=lambda isa: linear_kernel_path(isa))
-def test_streaming_kernel_on_every_code_path(isa, dtype):
+def test_streaming_kernel_on_every_code_path(isa, dtype, n):
     """The kernel deterministic mode runs for every batch, built for each
-    code path this CPU can run (the scalar one too: aarch64 takes it)."""
+    code path this CPU can run (the scalar one too: aarch64 takes it). 16
+    outputs are one block, which every row group then takes alone (the
+    scalar code once summed it in another order next to 3 or more rows)."""
     k = load_linear_kernels(isa)
     torch.manual_seed(5)
-    n, kdim = 200, 577
+    kdim = 577
     packed = k.linear_pack(torch.randn(n, kdim).to(dtype))
     _assert_invariant(lambda x: k.linear_small(x, packed, n, kdim, None), torch.randn(POOL, kdim).to(dtype))
 

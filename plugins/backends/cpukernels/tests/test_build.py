@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from plinth_plugin_cpukernels import kernels
 from plinth_plugin_cpukernels.kernels import (
     TORCH_LOCK_FILE,
     build_directory,
@@ -39,6 +40,16 @@ def test_flags_follow_the_isa():
 def test_builds_are_keyed_by_the_isa():
     assert build_name(("avx2", "fma")) != build_name(("avx2", "fma", "avx512f"))
     assert build_name(("fma", "avx2")) == build_name(("avx2", "fma"))
+
+
+def test_builds_are_keyed_by_the_shared_header(tmp_path, monkeypatch):
+    """Every source is built after csrc/common.h's text: a change there must rebuild them all."""
+    header = tmp_path / "common.h"
+    header.write_text(kernels.SHARED.read_text())
+    monkeypatch.setattr(kernels, "SHARED", header)
+    before = build_name(("avx2", "fma"))
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert build_name(("avx2", "fma")) != before
 
 
 @pytest.mark.skipif(not X86, reason="an x86 build")

@@ -31,6 +31,8 @@ from typing import Any, Iterable, Iterator
 from plinth.api import PluginError
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+#: what every source shares (the threads' work queue, a transpose): put before each source's text
+SHARED = Path(__file__).parent / "csrc" / "common.h"
 FUNCTIONS = [
     "paged_attention", "paged_decode_attention", "paged_qkv_attention", "rms_norm", "silu_and_mul", "rotary", "set_amx_attention",
 ]
@@ -82,7 +84,7 @@ def build_name(isa: Iterable[str], source: Path = SOURCE, prefix: str = "plinth_
     import torch
 
     flags = BASE_CFLAGS + isa_cflags(isa)
-    key = "|".join([source.read_text(), BINDING, " ".join(flags), platform.machine(), torch.__version__])
+    key = "|".join([SHARED.read_text(), source.read_text(), BINDING, " ".join(flags), platform.machine(), torch.__version__])
     return f"{prefix}_{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 
@@ -143,7 +145,7 @@ def load_extension(source: Path, functions: list[str], isa: Iterable[str], *, pr
             with build_lock(build_dir):
                 _kernels[name] = load_inline(
                     name=name,
-                    cpp_sources=[source.read_text(), bindings(functions)],
+                    cpp_sources=[SHARED.read_text(), source.read_text(), bindings(functions)],
                     extra_cflags=flags,
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir),

@@ -570,30 +570,6 @@ inline void attention_tiles_configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// r[i] (16 dwords each) -> r[j] = the dwords j of r[0..15]
-inline void transpose_16x16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  __m512 u[16];  // u[4g + c], 128-bit lane L: rows 4g..4g+3 at column 4L + c
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
-    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
-    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
-    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
-  }
-}
-
 // C tiles 0..NE-1 += A (4: hi, 5: lo when lo) times the B tiles at b, b + bs, ... (elements)
 template <int NE>
 inline void amx_pair_dots(const uint16_t* b, int64_t bs, bool lo) {
@@ -696,7 +672,7 @@ __attribute__((noinline)) void attend_tile_amx(const float* qf, int64_t qs, uint
     for (int64_t c = 0; c < DC; ++c) {
       __m512 rows[16];
       for (int t = 0; t < 16; ++t) rows[t] = _mm512_loadu_ps(reinterpret_cast<const float*>(kr[t] + 32 * c));
-      transpose_16x16(rows);
+      plinth::transpose_16x16(rows);
       for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(kt + 512 * c + 32 * j), rows[j]);
     }
   };
@@ -808,12 +784,24 @@ void paged_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, 
     for (int64_t r = qsl[b]; r < qsl[b + 1]; r += tile_rows)
       tiles.insert(tiles.end(), {b, r, std::min<int64_t>(tile_rows, qsl[b + 1] - r)});
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) / 3;
-  at::parallel_for(0, num_tiles * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // the costliest tiles first (rows times the context they read), so the team
+  // ends together: a prefill chunk's tiles beside a batch of decode rows
+  std::vector<int64_t> order(num_tiles);
+  std::vector<int64_t> cost(num_tiles);
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    const int64_t* tile = tiles.data() + i * 3;
+    const int64_t b = tile[0], R = tile[2];
+    const int64_t end = lens[b] - (qsl[b + 1] - tile[1]) + R;  // one past the tile's last position
+    cost[i] = R * (window > 0 ? std::min<int64_t>(end, window) : end);
+    order[i] = i;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  plinth::parallel_take(num_tiles * Hkv, [&](auto&& take) {
     AttendScratch sc;
     std::vector<T> zrow(std::max(D, Dv), T{});
     int64_t lo[AMX_ATTENTION_TILE_ROWS], hi[AMX_ATTENTION_TILE_ROWS];
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t* tile = tiles.data() + (idx / Hkv) * 3;
+    for (int64_t idx; (idx = take()) >= 0;) {
+      const int64_t* tile = tiles.data() + order[idx / Hkv] * 3;
       const int64_t b = tile[0], row = tile[1], R = tile[2], h = idx % Hkv;
       const int64_t first_pos = lens[b] - (qsl[b + 1] - qsl[b]) + (row - qsl[b]);
       for (int64_t r = 0; r < R; ++r) {

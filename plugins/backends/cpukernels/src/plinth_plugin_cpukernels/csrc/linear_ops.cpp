@@ -13,7 +13,8 @@
 //   fp32 weights: AVX-512F or AVX2+FMA FMA; scalar
 // Accumulation is fp32; the output has x's dtype (the weight's).
 // A microkernel keeps MR rows x NR blocks of 16 outputs in registers over the
-// whole K; at::parallel_for splits the N tiles.
+// whole K; the N tiles are handed out to the threads in chunks
+// (plinth::parallel_take, common.h) of about 64 KB of weights each.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -47,6 +48,19 @@ namespace {
 
 constexpr int64_t BLK = 16;  // outputs per block
 // software prefetch distance along each weight stream, in 64-byte lines
+#if !defined(PLINTH_LIN_AVX512) && !defined(PLINTH_LIN_AVX2) && defined(__GNUC__) && !defined(__clang__)
+// The plain-C kernels (no vector path) keep their sums over k in the written
+// order: -ffast-math lets GCC reassociate them, and it did so differently per
+// (rows, blocks) instantiation (one block next to three or more rows gave
+// other sums than next to one or two), so a row's result moved with the batch.
+#pragma GCC optimize("no-associative-math")
+#endif
+#if !defined(PLINTH_LIN_AVX512) && !defined(PLINTH_LIN_AVX2) && defined(__clang__)
+#define PLINTH_LIN_IN_ORDER _Pragma("clang fp reassociate(off)")
+#else
+#define PLINTH_LIN_IN_ORDER
+#endif
+
 #ifndef PLINTH_LIN_PF_LINES
 #define PLINTH_LIN_PF_LINES 48  // 16-row batches: 48 took 0.87x the time of 16, 0.65x of none (bench, one thread)
 #endif
@@ -151,6 +165,7 @@ inline void ukernel_bf16(const uint16_t* xb, const float* xf, int64_t ldx, const
     for (int j = 0; j < NR; ++j)
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(tile + i * NR * 16 + j * 16 + 8 * h, acc[i][j][h]);
 #else
+  PLINTH_LIN_IN_ORDER
   (void)xb;
   float acc[MR][NR * 16] = {};
   for (int64_t kk = 0; kk < K2; ++kk) {
@@ -212,6 +227,7 @@ inline void ukernel_f32(const float* x, int64_t ldx, const float* w, int64_t wst
     for (int j = 0; j < NR; ++j)
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(tile + i * NR * 16 + j * 16 + 8 * h, acc[i][j][h]);
 #else
+  PLINTH_LIN_IN_ORDER
   float acc[MR][NR * 16] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int i = 0; i < MR; ++i) {
@@ -238,14 +254,30 @@ inline void ukernel_f32(const float* x, int64_t ldx, const float* w, int64_t wst
 inline torch::Tensor interleave_pairs(const uint16_t* x, int64_t M, int64_t ldx, int64_t K2, int group) {
   auto out = torch::empty({M * K2}, torch::dtype(torch::kInt32));
   int32_t* dst = out.data_ptr<int32_t>();
-  for (int64_t m0 = 0; m0 < M; m0 += group) {
-    const int64_t rows = std::min<int64_t>(group, M - m0);
-    int32_t* g = dst + m0 * K2;
-    for (int64_t i = 0; i < rows; ++i) {
-      const uint16_t* row = x + (m0 + i) * ldx;
-      for (int64_t kk = 0; kk < K2; ++kk) std::memcpy(g + kk * rows + i, row + 2 * kk, 4);
+  // pieces of one group's rows x 16 pairs (a 16x16 transpose of dwords where
+  // the group is whole), spread over the threads from 64 KB up: a prefill's
+  // copy on one thread left the other idle ~10% of a 512-row linear
+  const int64_t groups = (M + group - 1) / group, KB = (K2 + 15) / 16;
+  at::parallel_for(0, groups * KB, std::max<int64_t>(1, 16384 / (16 * group)), [&](int64_t p0, int64_t p1) {
+    for (int64_t piece = p0; piece < p1; ++piece) {
+      const int64_t m0 = (piece / KB) * group, k0 = (piece % KB) * 16;
+      const int64_t rows = std::min<int64_t>(group, M - m0), kn = std::min<int64_t>(16, K2 - k0);
+      int32_t* g = dst + m0 * K2;
+#if defined(__AVX512F__)
+      if (rows == 16 && kn == 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(x + (m0 + i) * ldx + 2 * k0));
+        plinth::transpose_16x16(r);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(g + (k0 + j) * 16), r[j]);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < rows; ++i) {
+        const uint16_t* row = x + (m0 + i) * ldx;
+        for (int64_t kk = k0; kk < k0 + kn; ++kk) std::memcpy(g + kk * rows + i, row + 2 * kk, 4);
+      }
     }
-  }
+  });
   return out;
 }
 #endif
@@ -266,7 +298,6 @@ constexpr int MG = 4;
 constexpr int nr_for(int mr) { return mr > 0 ? 4 : 4; }
 #endif
 constexpr int TILE_FLOATS = 512;  // >= mr * nr_for(mr) * 16 for every mr <= MG
-constexpr int64_t CHUNK_BLOCKS = 8;  // blocks whose weights stay in L2 across row groups
 
 struct Problem {
   bool bf16;
@@ -725,10 +756,10 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor packed, int64_t N, int
   static_assert(MG * nr_for(MG) * 16 <= TILE_FLOATS && nr_for(1) * 16 <= TILE_FLOATS, "tile buffer");
   const int64_t block_bytes = BLK * K * (bf16 ? 2 : 4);
   const int64_t grain = std::max<int64_t>(nr_for(std::min<int64_t>(M, MG)), (int64_t(64) << 10) / std::max<int64_t>(1, block_bytes));
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+  plinth::parallel_take((NB + grain - 1) / grain, [&](auto&& take) {
     alignas(64) float tile[TILE_FLOATS];
-    for (int64_t c0 = b0; c0 < b1; c0 += CHUNK_BLOCKS) {
-      const int64_t c1 = std::min<int64_t>(b1, c0 + CHUNK_BLOCKS);
+    for (int64_t item; (item = take()) >= 0;) {
+      const int64_t c0 = item * grain, c1 = std::min<int64_t>(NB, c0 + grain);
       for (int64_t m0 = 0; m0 < M; m0 += MG) {
         const int mr = int(std::min<int64_t>(MG, M - m0));
         for (int64_t nb = c0; nb < c1;) {
@@ -784,10 +815,10 @@ torch::Tensor amx_linear_rows(const char* name, torch::Tensor x, int64_t N, int6
   }
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   constexpr int64_t NT = 4;  // blocks per group: C tiles 0-3
-  at::parallel_for(0, (NB + NT - 1) / NT, 1, [&](int64_t g0, int64_t g1) {
+  plinth::parallel_take((NB + NT - 1) / NT, [&](auto&& take) {
     alignas(64) float c[16 * NT * 16];
     amx_configure(int(rows));
-    for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t g; (g = take()) >= 0;) {
       const int nt = int(std::min<int64_t>(NT, NB - g * NT));
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         blocks(nt, xb + m0 * K, g * NT, c, m0 == 0);
@@ -930,10 +961,10 @@ torch::Tensor gguf_fused_linear(torch::Tensor x, torch::Tensor packed, int64_t f
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   static_assert(FUSED_MG * fused_nr_for(GGUF_Q4_1, FUSED_MG) * 16 <= TILE_FLOATS && fused_nr_for(GGUF_Q8_0, 1) * 16 <= TILE_FLOATS, "tile buffer");
   const int64_t grain = std::max<int64_t>(fused_nr_for(int(fmt), int(std::min<int64_t>(M, FUSED_MG))), (int64_t(32) << 10) / std::max<int64_t>(1, wstride));
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+  plinth::parallel_take((NB + grain - 1) / grain, [&](auto&& take) {
     alignas(64) float tile[TILE_FLOATS];
-    for (int64_t c0 = b0; c0 < b1; c0 += CHUNK_BLOCKS) {
-      const int64_t c1 = std::min<int64_t>(b1, c0 + CHUNK_BLOCKS);
+    for (int64_t item; (item = take()) >= 0;) {
+      const int64_t c0 = item * grain, c1 = std::min<int64_t>(NB, c0 + grain);
       for (int64_t m0 = 0; m0 < M; m0 += FUSED_MG) {
         const int mr = int(std::min<int64_t>(FUSED_MG, M - m0));
         for (int64_t nb = c0; nb < c1;) {
