@@ -116,3 +116,33 @@ def test_a_reader_that_falls_behind_gets_the_deltas_folded(llm):
         assert ids == c.token_ids and len(ids) == n_tokens
         assert "".join(texts) == c.text
         assert [lp.token_id for lp in lps] == c.token_ids
+
+
+def test_a_step_wakes_the_event_loop_once_for_all_its_streams(llm):
+    """Each step's outputs reach the event loop in one call (one wake-up of
+    its thread), not one per stream, and every stream still gets all its tokens."""
+    wakeups: list[int] = []
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        plain = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            wakeups.append(len(args[0]) if args and isinstance(args[0], list) else 1)
+            return plain(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+        async def one() -> list:
+            return [out async for out in llm.generate(PROMPT, params)]
+
+        return await asyncio.gather(*(one() for _ in range(4)))
+
+    results = asyncio.run(run())
+    ref = reference(PROMPT, 8, eos=False)
+    assert all(outs[-1].outputs[0].token_ids == ref for outs in results)
+    # every output handed over (a reader may fold several into one), in fewer
+    # wake-ups than outputs: steps that ran all four streams woke the loop once
+    assert sum(wakeups) >= sum(len(outs) for outs in results)
+    assert max(wakeups) == 4 and len(wakeups) < sum(wakeups)

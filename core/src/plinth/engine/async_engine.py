@@ -3,8 +3,9 @@ streams per request.
 
 The engine thread owns the engine: requests and aborts reach it through an
 inbox it drains before each step, and each step's outputs go back to the
-event loop with ``call_soon_threadsafe``. Torch releases the GIL inside ops,
-so the event loop keeps serving while a step runs.
+event loop with one ``call_soon_threadsafe`` for all its streams (one wake-up
+of the loop's thread a step, not one per stream). Torch and the cpukernels
+release the GIL inside ops, so the event loop keeps serving while a step runs.
 
 Each output carries its deltas (``CompletionOutput.delta_text``,
 ``delta_token_ids``, ``delta_logprobs``: what is new since the request's
@@ -36,6 +37,11 @@ from plinth.engine.outputs import DeltaCursor, RequestOutput, coalesce
 from plinth.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("plinth.engine")
+
+
+def _put_all(batch: Sequence[tuple[str, asyncio.Queue, Any]]) -> None:
+    for _, q, item in batch:
+        q.put_nowait(item)
 
 
 @dataclass
@@ -216,12 +222,22 @@ class AsyncLLM(EngineClient):
     # ---- the engine thread ------------------------------------------------------------
 
     def _deliver(self, request_id: str, item: Any) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: Sequence[tuple[str, Any]]) -> None:
+        """Hand each (request id, output or error) to its stream: one wake-up
+        of each event loop for the lot (a step's outputs), not one per stream."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, Any]]] = {}
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((rid, stream.queue, item))
+        for loop, batch in batches.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # its event loop is closed
-                self._streams.pop(request_id, None)
+                for rid, _, _ in batch:
+                    self._streams.pop(rid, None)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -283,12 +299,14 @@ class AsyncLLM(EngineClient):
                     self._fatal = exc
                     self._stop = True  # the thread ends, so /health fails; new requests get the error
                 continue
+            delivered: list[tuple[str, Any]] = []
             for out in outputs:
                 cursor = self._cursors.pop(out.request_id, None) if out.finished or out.error else self._cursors.get(out.request_id)
                 if out.error:
-                    self._deliver(out.request_id, EngineError(out.error))
+                    delivered.append((out.request_id, EngineError(out.error)))
                 elif cursor is not None:
-                    self._deliver(out.request_id, cursor.advance(out))
+                    delivered.append((out.request_id, cursor.advance(out)))
+            self._deliver_all(delivered)
         for rid in self.engine.unfinished_request_ids():
             self.engine.abort_request(rid)
             self._deliver(rid, EngineError("the engine shut down"))
