@@ -19,6 +19,7 @@ from plinth_plugin_cpukernels.gemm import (
     AMX_ENV,
     FUSED_GGUF_ROWS,
     FUSED_GGUF_ROWS_ENV,
+    VDPBF16PS_PATH,
     SmallGemm,
     fused_gguf_rows,
     linear_kernel_path,
@@ -35,7 +36,7 @@ FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 #: (N, K): N not a multiple of 16, K not a multiple of 256; SmolLM2's o projection
 SHAPES = [(17, 32), (40, 96), (100, 288), (33, 800), (576, 576)]
 ROWS = [1, 2, 3, 4, 7, 8, 9, 16]
-NATIVE_HAS_IT = linear_kernel_path(NATIVE) == "avx512-bf16 (vdpbf16ps)"
+NATIVE_HAS_IT = linear_kernel_path(NATIVE) == VDPBF16PS_PATH
 
 
 def _blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from plinth.api import Backend, BackendCapabilities, PluginError, QuantizedWeigh
 
 from plinth_plugin_cpukernels.gemm import (
     DTYPE_NAMES,
+    VDPBF16PS_PATH,
     PackedLinear,
     SmallGemm,
     amx_allowed,
@@ -110,7 +111,7 @@ def deterministic_default(isa: tuple[str, ...], dtype: Any) -> tuple[bool, str]:
         return True, AMX_COST
     if {"amx_tile", "amx_bf16"} <= set(isa):
         return False, AMX_OFF
-    if linear_kernel_path(isa) == "avx512-bf16 (vdpbf16ps)":
+    if linear_kernel_path(isa) == VDPBF16PS_PATH:
         return True, VDPBF16PS_COST
     return False, NOT_MEASURED
 
@@ -162,7 +163,7 @@ class CPUKernelsBackend(Backend):
                 integer = f"up to {GEMM_MIN_ROWS - 1} rows the fused kernel on AMX tiles where it has the format, else {integer}"
             return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=integer, **mode)
         # deterministic mode: one path per weight for every batch (ops() below, quant.GGUFOps)
-        if str(ctx.dtype) == "torch.bfloat16" and {"avx512_bf16", "avx512bw"} <= set(isa):
+        if str(ctx.dtype) == "torch.bfloat16" and linear_kernel_path(isa) == VDPBF16PS_PATH:
             tiles = "; both on AMX tiles" if amx else ""
             small = f"up to {fused_gguf_rows(amx)} rows the fused kernel on the blocks where it has the format (bit-identical), more rows the copy{tiles}"
         else:

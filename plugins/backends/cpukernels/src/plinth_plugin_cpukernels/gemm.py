@@ -82,10 +82,13 @@ DTYPE_NAMES = ("bfloat16", "float32")
 LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear_ops.cpp"
 LINEAR_FUNCTIONS = ["linear_pack", "linear_small", "linear_kernel_path", "gguf_fused_pack", "gguf_fused_linear", "gguf_fused_formats", "linear_amx", "linear_amx_available", "gguf_fused_linear_amx"]
 
+#: the code path of bf16 weights on AVX512-BF16 CPUs (linear_kernel_path's name,
+#: the one linear_ops.cpp's linear_kernel_path() returns)
+VDPBF16PS_PATH = "avx512-bf16 (vdpbf16ps)"
 #: the largest number of activation rows the streaming kernel takes, by its
 #: code path and the weight's dtype (beyond it, oneDNN): see the module doc
 SMALL_ROWS = {
-    "avx512-bf16 (vdpbf16ps)": {"bfloat16": 16, "float32": 16},
+    VDPBF16PS_PATH: {"bfloat16": 16, "float32": 16},
     "avx512f (fp32 fma)": {"bfloat16": 16, "float32": 16},
     "avx2+fma (fp32 fma)": {"bfloat16": 16, "float32": 16},
     "scalar": {"bfloat16": 0, "float32": 0},  # portable code: oneDNN's JIT is faster
@@ -135,7 +138,7 @@ def linear_kernel_path(isa: Iterable[str]) -> str:
     isa = set(isa)
     if "avx512f" in isa:
         if {"avx512_bf16", "avx512bw"} <= isa:
-            return "avx512-bf16 (vdpbf16ps)"
+            return VDPBF16PS_PATH
         return "avx512f (fp32 fma)"
     if {"avx2", "fma"} <= isa:
         return "avx2+fma (fp32 fma)"
