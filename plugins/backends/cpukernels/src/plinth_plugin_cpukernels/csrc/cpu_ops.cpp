@@ -784,14 +784,15 @@ void paged_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, 
     for (int64_t r = qsl[b]; r < qsl[b + 1]; r += tile_rows)
       tiles.insert(tiles.end(), {b, r, std::min<int64_t>(tile_rows, qsl[b + 1] - r)});
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) / 3;
+  // the position of a tile's first row (its sequence's rows end at the context's end)
+  auto first_position = [&](const int64_t* tile) { return lens[tile[0]] - (qsl[tile[0] + 1] - tile[1]); };
   // the costliest tiles first (rows times the context they read), so the team
   // ends together: a prefill chunk's tiles beside a batch of decode rows
   std::vector<int64_t> order(num_tiles);
   std::vector<int64_t> cost(num_tiles);
   for (int64_t i = 0; i < num_tiles; ++i) {
     const int64_t* tile = tiles.data() + i * 3;
-    const int64_t b = tile[0], R = tile[2];
-    const int64_t end = lens[b] - (qsl[b + 1] - tile[1]) + R;  // one past the tile's last position
+    const int64_t R = tile[2], end = first_position(tile) + R;  // one past the tile's last position
     cost[i] = R * (window > 0 ? std::min<int64_t>(end, window) : end);
     order[i] = i;
   }
@@ -803,7 +804,7 @@ void paged_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, 
     for (int64_t idx; (idx = take()) >= 0;) {
       const int64_t* tile = tiles.data() + order[idx / Hkv] * 3;
       const int64_t b = tile[0], row = tile[1], R = tile[2], h = idx % Hkv;
-      const int64_t first_pos = lens[b] - (qsl[b + 1] - qsl[b]) + (row - qsl[b]);
+      const int64_t first_pos = first_position(tile);
       for (int64_t r = 0; r < R; ++r) {
         hi[r] = first_pos + r + 1;
         lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window) : 0;

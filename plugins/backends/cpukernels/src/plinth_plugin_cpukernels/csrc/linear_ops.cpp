@@ -47,7 +47,6 @@
 namespace {
 
 constexpr int64_t BLK = 16;  // outputs per block
-// software prefetch distance along each weight stream, in 64-byte lines
 #if !defined(PLINTH_LIN_AVX512) && !defined(PLINTH_LIN_AVX2) && defined(__GNUC__) && !defined(__clang__)
 // The plain-C kernels (no vector path) keep their sums over k in the written
 // order: -ffast-math lets GCC reassociate them, and it did so differently per
@@ -61,6 +60,7 @@ constexpr int64_t BLK = 16;  // outputs per block
 #define PLINTH_LIN_IN_ORDER
 #endif
 
+// software prefetch distance along each weight stream, in 64-byte lines
 #ifndef PLINTH_LIN_PF_LINES
 #define PLINTH_LIN_PF_LINES 48  // 16-row batches: 48 took 0.87x the time of 16, 0.65x of none (bench, one thread)
 #endif
