@@ -122,3 +122,30 @@ def test_kernels_release_the_gil_while_they_run():
         stop.set()
         thread.join(10)
     assert max(during) > 15, f"the counting thread ran {during} times during the kernel calls"
+
+
+@pytest.mark.skipif(not X86, reason="x86 mnemonics")
+def test_the_attention_kernel_keeps_its_prefetches(native_kernels):
+    """GCC deleted every _mm_prefetch of the attention kernel (cold K/V pages
+    were read on demand, 2.6x slower); csrc/common.h's prefetches are volatile
+    asm. Read the built kernel back: its block code must prefetch into L2."""
+    import shutil
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump (binutils) here")
+    listing = subprocess.run(
+        [objdump, "-d", "--no-show-raw-insn", "-C", native_kernels.__file__], capture_output=True, text=True, check=True
+    ).stdout
+    bodies: dict[str, str] = {}
+    name = None
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            name = line
+            bodies[name] = ""
+        elif name is not None:
+            bodies[name] += line + "\n"
+    tiles = {n: b for n, b in bodies.items() if "attend_tile<" in n}
+    assert tiles, "no attend_tile in the built kernels"
+    for n, body in tiles.items():
+        assert "prefetcht1" in body, f"{n} has no L2 prefetch"

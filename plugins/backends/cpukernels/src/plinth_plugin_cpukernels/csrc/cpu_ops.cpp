@@ -290,14 +290,10 @@ inline void block_rows(const int32_t* table, int64_t pos, int64_t m, int64_t ps,
   }
 }
 
+// a row of `bytes` (its lines) into L2
 inline void prefetch_row(const void* p, int64_t bytes) {
-#if defined(__SSE__)
   const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-#else
-  (void)p;
-  (void)bytes;
-#endif
+  for (int64_t i = 0; i < bytes; i += 64) plinth::prefetch_l2(c + i);
 }
 
 // the rows (D elements each) of the n <= 16 positions from blk (none at or past
@@ -458,7 +454,10 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
       for (int64_t t = m; t < W; ++t) std::memset(kbuf + t * D, 0, D * sizeof(float));
     }
     // K rows two blocks ahead (the first block also starts the second's), from
-    // pages in no order, and this block's V rows for the weighted sum
+    // pages in no order, and this block's V rows for the weighted sum, into L2.
+    // Cold pages, 16 decode rows, 30 layers, one thread (Zen 4): 18.2 ms with
+    // none, 15.5 with these into L1 (32 lines a block stall L1's miss
+    // buffers), 6.4 into L2 (hot pages: 4.3); 2 to 6 blocks ahead alike
     if (blk == first) prefetch_k(blk + W);
     prefetch_k(blk + 2 * W);
     for (int64_t t = 0; t < m; ++t) prefetch_row(vp + krows[t] * Dv, Dv * sizeof(T));

@@ -102,7 +102,7 @@ inline void ukernel_bf16(const uint16_t* xb, const float* xf, int64_t ldx, const
     __m512bh wv[NR];
     for (int j = 0; j < NR; ++j) {
       const uint16_t* p = w + j * wstride + kk * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 32 * PF_LINES), _MM_HINT_T0);
+      plinth::prefetch_l1(reinterpret_cast<const char*>(p + 32 * PF_LINES));
       wv[j] = (__m512bh)_mm512_loadu_si512(p);
     }
     for (int i = 0; i < MR; ++i) {
@@ -122,7 +122,7 @@ inline void ukernel_bf16(const uint16_t* xb, const float* xf, int64_t ldx, const
     __m512 we[NR], wo[NR];
     for (int j = 0; j < NR; ++j) {
       const uint16_t* p = w + j * wstride + kk * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 32 * PF_LINES), _MM_HINT_T0);
+      plinth::prefetch_l1(reinterpret_cast<const char*>(p + 32 * PF_LINES));
       __m512i v = _mm512_loadu_si512(p);
       we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
@@ -146,7 +146,7 @@ inline void ukernel_bf16(const uint16_t* xb, const float* xf, int64_t ldx, const
     __m256 we[NR][2], wo[NR][2];
     for (int j = 0; j < NR; ++j) {
       const uint16_t* p = w + j * wstride + kk * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 32 * PF_LINES), _MM_HINT_T0);
+      plinth::prefetch_l1(reinterpret_cast<const char*>(p + 32 * PF_LINES));
       for (int h = 0; h < 2; ++h) {
         __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
         we[j][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -193,7 +193,7 @@ inline void ukernel_f32(const float* x, int64_t ldx, const float* w, int64_t wst
     __m512 wv[NR];
     for (int j = 0; j < NR; ++j) {
       const float* p = w + j * wstride + k * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 16 * PF_LINES), _MM_HINT_T0);
+      plinth::prefetch_l1(reinterpret_cast<const char*>(p + 16 * PF_LINES));
       wv[j] = _mm512_loadu_ps(p);
     }
     for (int i = 0; i < MR; ++i) {
@@ -211,7 +211,7 @@ inline void ukernel_f32(const float* x, int64_t ldx, const float* w, int64_t wst
     __m256 wv[NR][2];
     for (int j = 0; j < NR; ++j) {
       const float* p = w + j * wstride + k * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 16 * PF_LINES), _MM_HINT_T0);
+      plinth::prefetch_l1(reinterpret_cast<const char*>(p + 16 * PF_LINES));
       wv[j][0] = _mm256_loadu_ps(p);
       wv[j][1] = _mm256_loadu_ps(p + 8);
     }
@@ -503,8 +503,8 @@ inline void gguf_prefetch_next(const uint8_t* const* rec, int64_t wstride) {
   for (int j = 0; j < NR; ++j) {
     const char* next = reinterpret_cast<const char*>(rec[j] + NR * wstride);
     for (int64_t off = 0; off < REC; off += 64) {
-      if (NR * wstride <= FUSED_PF_L1_BYTES) _mm_prefetch(next + off, _MM_HINT_T0);
-      else _mm_prefetch(next + off, _MM_HINT_T1);
+      if (NR * wstride <= FUSED_PF_L1_BYTES) plinth::prefetch_l1(next + off);
+      else plinth::prefetch_l2(next + off);
     }
   }
 }
@@ -622,7 +622,7 @@ inline void amx_blocks(const uint16_t* x, int64_t ldx_bytes, const uint16_t* w, 
     if (prefetch)  // the first row tile; the next ones find the lines in cache
       for (int j = 0; j < NT; ++j)
         for (int l = 0; l < 16; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(wk + j * wstride + (PF_LINES + l) * 32), _MM_HINT_T0);
+          plinth::prefetch_l1(reinterpret_cast<const char*>(wk + j * wstride + (PF_LINES + l) * 32));
     amx_dot_b<NT>(wk, wstride);
   }
   amx_store_c<NT>(c);
