@@ -65,9 +65,10 @@ constexpr int64_t BLK = 16;  // outputs per block
 #define PLINTH_LIN_PF_LINES 48  // 16-row batches: 48 took 0.87x the time of 16, 0.65x of none (bench, one thread)
 #endif
 constexpr int64_t PF_LINES = PLINTH_LIN_PF_LINES;
-// and further ahead into L2 (the vdpbf16ps path): a decode step's linears at
-// 16 rows, cold weights, 2 threads (Zen 4): 15.6 -> 14.5 ms/step at 128 lines,
-// alike from 96 to 512 (hot weights: 12.2)
+// and further ahead into L2 (the vdpbf16ps and AVX2 paths): a decode step's
+// linears, cold weights, 2 threads (Zen 4): vdpbf16ps 15.6 -> 14.5 ms/step at
+// 16 rows, alike from 96 to 512 lines (hot weights: 12.2); AVX2 14.9 -> 13.5
+// at one row, alike at 16 (43.7 / 44.8, bound by its FMAs)
 constexpr int64_t PF_L2_LINES = 128;
 
 inline float bf16_to_f32(uint16_t v) {
@@ -152,6 +153,7 @@ inline void ukernel_bf16(const uint16_t* xb, const float* xf, int64_t ldx, const
     for (int j = 0; j < NR; ++j) {
       const uint16_t* p = w + j * wstride + kk * 32;
       plinth::prefetch_l1(reinterpret_cast<const char*>(p + 32 * PF_LINES));
+      plinth::prefetch_l2(reinterpret_cast<const char*>(p + 32 * PF_L2_LINES));
       for (int h = 0; h < 2; ++h) {
         __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
         we[j][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
