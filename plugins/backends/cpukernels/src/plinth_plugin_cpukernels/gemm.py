@@ -13,7 +13,8 @@ dtype) a second copy of the weight, repacked for streaming (bf16: pairs
 outputs; fp32: ``[N/16][K][16]``), is multiplied by ``linear_small``: rows x
 blocks of 16 outputs held in registers over the whole K (up to 16 rows
 share each weight load, so a decode batch streams every weight line once;
-software prefetch 48 lines ahead), fp32 accumulation,
+software prefetch 48 lines ahead into L1 and, on the vdpbf16ps and AVX2
+paths, 128 lines ahead into L2), fp32 accumulation,
 ``at::parallel_for`` over the output blocks, the code path chosen at compile
 time from the instruction sets (AVX512-BF16, AVX-512F, AVX2+FMA, scalar). Its
 bfloat16 results match ``F.linear`` to bfloat16 rounding, not bit for bit

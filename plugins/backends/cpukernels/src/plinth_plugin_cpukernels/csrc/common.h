@@ -37,17 +37,18 @@ inline void parallel_take(int64_t n, Worker&& worker) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { worker(take); });
 }
 
-// Software prefetches the compiler always emits. GCC 12 at -O1 and above
-// deleted every _mm_prefetch of the attention kernel (its tree DCE; the
-// binary had none, 2026-12-06), so cold K/V pages were read on demand; a
-// volatile asm cannot be deleted. prefetch_l1: into L1 (a stream a few lines
-// ahead); prefetch_l2: into L2 only, for lines further ahead, where L1's few
-// miss buffers would stall the loads in flight.
+// Software prefetches the compiler keeps. GCC 12 at -O1 and above dropped
+// every _mm_prefetch of the attention kernel (the binary had none,
+// 2026-12-06; in a reduced case -fno-tree-dce kept them), so cold K/V pages
+// were read on demand; a volatile asm cannot be dropped (x86, aarch64; other
+// targets fall back to __builtin_prefetch, best effort). prefetch_l1: into
+// L1 (a stream a few lines ahead); prefetch_l2: into L2 only, for lines
+// further ahead, where L1's few miss buffers would stall the loads in flight.
 inline void prefetch_l1(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
   __asm__ volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
 #elif defined(__aarch64__)
-  __asm__ volatile("prfm pldl1keep, [%0]" : : "r"(p));
+  __asm__ volatile("prfm pldl1keep, [%x0]" : : "r"(p));
 #else
   __builtin_prefetch(p, 0, 3);
 #endif
@@ -57,7 +58,7 @@ inline void prefetch_l2(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
   __asm__ volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 #elif defined(__aarch64__)
-  __asm__ volatile("prfm pldl2keep, [%0]" : : "r"(p));
+  __asm__ volatile("prfm pldl2keep, [%x0]" : : "r"(p));
 #else
   __builtin_prefetch(p, 0, 2);
 #endif

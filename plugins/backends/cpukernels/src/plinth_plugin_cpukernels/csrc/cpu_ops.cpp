@@ -456,7 +456,7 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
     // K rows two blocks ahead (the first block also starts the second's), from
     // pages in no order, and this block's V rows for the weighted sum, into L2.
     // Cold pages, 16 decode rows, 30 layers, one thread (Zen 4): 18.2 ms with
-    // none, 15.5 with these into L1 (32 lines a block stall L1's miss
+    // none, 15.5 with these into L1 (a block's K and V lines stall L1's miss
     // buffers), 6.4 into L2 (hot pages: 4.3); 2 to 6 blocks ahead alike
     if (blk == first) prefetch_k(blk + W);
     prefetch_k(blk + 2 * W);
@@ -661,7 +661,8 @@ __attribute__((noinline)) void attend_tile_amx(const float* qf, int64_t qs, uint
   auto prefetch_k = [&](int64_t blk) { prefetch_block(kp, table, blk, KB, last, ps, D); };
   // the block's K^T pair lines into kt (line j of chunk c: features 32c + 2j,
   // + 1 of the 16 keys); K rows two blocks ahead and the block's V rows
-  // (for the weighted sum) prefetched, from pages in no order
+  // (for the weighted sum) prefetched into L2, from pages in no order (as in
+  // attend_tile; not measured on AMX tiles)
   auto stage = [&](int64_t blk, uint16_t* kt) {
     const int64_t m = std::min<int64_t>(KB, last - blk);
     block_rows(table, blk, m, ps, krows);
