@@ -109,6 +109,9 @@ def test_short_queries_run_per_token_through_the_kernel(ops, dtype, page_size, w
             rows.append(q.shape[0])
             return kernels.paged_attention(q, *args)
 
+        def zeros_on_large_pages(self, *args):
+            return kernels.zeros_on_large_pages(*args)
+
     def counting_reference(*args, **kw):
         ref_calls.append(1)
         return reference["attention"](*args, **kw)

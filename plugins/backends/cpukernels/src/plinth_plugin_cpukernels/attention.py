@@ -44,18 +44,22 @@ def make_attention_ops(kernels: Any, reference: Mapping[str, Callable[..., Any]]
     ref_attention = reference["attention"]
     ref_allocate = reference["allocate_kv_cache"]
     ref_prepare = reference["prepare_attention"]
+    import torch
 
     def allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim, v_head_dim, dtype, device):
+        # the reference's layout (asked on the meta device: shapes, no memory),
+        # zeroed on 2 MB pages: a decode batch's pages scatter over the pool
         k, v = ref_allocate(
             num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            v_head_dim=v_head_dim, dtype=dtype, device=device,
+            v_head_dim=v_head_dim, dtype=dtype, device=torch.device("meta"),
         )
         if tuple(k.shape) != (num_kv_heads, num_pages, page_size, head_dim):
             raise PluginError(
                 f"cpukernels reads the reference KV layout [Hkv, pages, page_size, D]; "
                 f"the reference backend now allocates {tuple(k.shape)}"
             )
-        return k, v
+        on_pages = kernels.zeros_on_large_pages
+        return on_pages(list(k.shape), dtype), (on_pages(list(v.shape), dtype) if v is not None else None)
 
     def attention(q, k, v, kv_cache, meta, *, scale, sliding_window=None, logit_cap=None):
         k_pages, v_pages = kv_cache

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_ops.cpp"
-FUNCTIONS = ["gguf_linear", "gguf_dequantize", "gguf_kernel_path"]
+FUNCTIONS = ["gguf_linear", "gguf_dequantize", "gguf_kernel_path", "zeros_on_large_pages"]
 
 #: GGUF type name -> (the kernels' format code, weights per block, bytes per block)
 GGUF_FORMATS = {
@@ -227,6 +227,10 @@ class GGUFOps:
             self.dense_budget = int(_available_memory() * DENSE_COPY_SHARE)
         packed = pack(weight)
         assert packed is not None
+        # a copy on 2 MB pages (csrc/common.h): decode steps stream the blocks,
+        # which the loader leaves in the file's memory map on 4 KB pages
+        blocks = self._kernels.zeros_on_large_pages(list(packed.blocks.shape), packed.blocks.dtype)
+        packed.blocks = blocks.copy_(packed.blocks)
         if self.dense_pack is not None and self.dense_dtype is not None:
             import torch
 

@@ -690,7 +690,7 @@ torch::Tensor linear_pack(torch::Tensor weight) {
   const int64_t N = weight.size(0), K = weight.size(1), NB = (N + BLK - 1) / BLK;
   if (weight.scalar_type() == at::kBFloat16) {
     const int64_t K2 = (K + 1) / 2;
-    auto out = torch::zeros({NB * K2 * 32}, weight.options());
+    auto out = plinth::large_page_zeros({NB * K2 * 32}, weight.scalar_type());  // streamed each step: 2 MB pages
     const uint16_t* src = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
     uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
@@ -703,7 +703,7 @@ torch::Tensor linear_pack(torch::Tensor weight) {
     });
     return out;
   }
-  auto out = torch::zeros({NB * K * BLK}, weight.options());
+  auto out = plinth::large_page_zeros({NB * K * BLK}, weight.scalar_type());
   const float* src = weight.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
@@ -907,7 +907,7 @@ torch::Tensor gguf_fused_pack(torch::Tensor blocks, int64_t fmt, int64_t N, int6
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(0) == N && blocks.size(1) == nblk * bb,
               "gguf_fused_pack: blocks must be uint8 [N, K/32 * ", bb, "]");
   const int64_t NB = (N + BLK - 1) / BLK;
-  auto out = torch::zeros({NB * nblk * rec}, blocks.options());
+  auto out = plinth::large_page_zeros({NB * nblk * rec}, at::kByte);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t g0, int64_t g1) {
