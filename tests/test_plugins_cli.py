@@ -227,3 +227,47 @@ def test_serve_and_generate_fail_the_same_way_before_loading_anything(listing: d
         proc = platform("serve", "--device", "cuda", "--port", "1")
         assert proc.returncode == 2
         assert "accelerator cuda (plinth-plugin-cuda 0.1.0) cannot be used: " + "; ".join(rows["cuda"]["reasons"]) in proc.stderr
+
+
+# Runs the CLI with build_parser spied on: what the environment holds, and
+# whether torch is loaded, once discovery is done and before any command runs.
+SPY_ENV = """
+import json, os, sys
+from plinth import cli
+seen = {}
+build = cli.build_parser
+def spy(registry):
+    seen.update(env=os.environ.get("GOMP_SPINCOUNT"), torch="torch" in sys.modules)
+    return build(registry)
+cli.build_parser = spy
+cli.main(sys.argv[1:])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("user_value", [None, "7"], ids=["unset", "set-by-the-user"])
+def test_accelerators_set_their_runtime_env_before_torch_loads(user_value: str | None) -> None:
+    """AcceleratorDescriptor.process_env: the cpu plugin's OpenMP spin-wait
+    (libgomp reads it once, when torch loads it) is set by the CLI before
+    anything imports torch, unless the user set it."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT" and not k.startswith("PLINTH_PLUGINS_")}
+    if user_value is not None:
+        env["GOMP_SPINCOUNT"] = user_value
+    proc = subprocess.run([sys.executable, "-c", SPY_ENV, "plugins"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"env": user_value or "20000", "torch": False}
+
+
+def test_process_env_follows_the_named_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plinth.cli import set_process_env
+    from plinth.plugins import PluginRegistry
+
+    registry = PluginRegistry.discover()
+    monkeypatch.setenv("GOMP_SPINCOUNT", "")  # so the test's own setting is undone afterwards
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    assert set_process_env(registry, "cuda") == {}  # another accelerator: not the cpu's defaults
+    assert "GOMP_SPINCOUNT" not in os.environ
+    assert set_process_env(registry, "cpu") == {"GOMP_SPINCOUNT": "20000"}
+    assert os.environ["GOMP_SPINCOUNT"] == "20000"
+    assert set_process_env(registry, "cpu") == {}  # set once: a value already there is kept

@@ -16,6 +16,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from plinth import __version__
+from plinth.contract import AcceleratorDescriptor
 from plinth.engine.config import AUTO, DEFAULT_DETERMINISTIC, parse_token_budget
 from plinth.errors import ConfigError, PlinthError
 from plinth.plugins import ALLOW_ENV, BLOCK_ENV, PluginRegistry, install_hint
@@ -466,8 +467,25 @@ def _pre_parse(argv: Sequence[str]) -> argparse.Namespace:
     pre.add_argument("--plugins-allow", default=None)
     pre.add_argument("--plugins-block", default=None)
     pre.add_argument("--log-level", default=os.environ.get("PLINTH_LOG_LEVEL", "INFO"))
+    pre.add_argument("--device", default="auto")
     known, _ = pre.parse_known_args(argv)
     return known
+
+
+def set_process_env(registry: PluginRegistry, device: str) -> dict[str, str]:
+    """Set the accelerators' ``process_env`` defaults the user has not set
+    (``AcceleratorDescriptor``: for ``device``, or every installed one with
+    ``auto``, the highest priority first); returns what was set. Runs before
+    anything imports torch, which reads them once."""
+    entries = [e for e in registry.entries["accelerator"] if device == "auto" or e.name == device]
+    done: dict[str, str] = {}
+    for entry in sorted(entries, key=lambda e: -e.descriptor.priority):
+        if not isinstance(entry.descriptor, AcceleratorDescriptor):
+            continue
+        for name, value in entry.descriptor.process_env:
+            if name not in os.environ:
+                os.environ[name] = done[name] = value
+    return done
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -478,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     registry = PluginRegistry.discover(allow=pre.plugins_allow, block=pre.plugins_block)
+    set_process_env(registry, pre.device)
     parser = build_parser(registry)
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace, PluginRegistry], int] | None = getattr(args, "_run", None)

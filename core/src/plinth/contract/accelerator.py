@@ -15,9 +15,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AcceleratorDescriptor(PluginDescriptor):
-    """A device platform (``--device``). impl -> an ``Accelerator`` subclass."""
+    """A device platform (``--device``). impl -> an ``Accelerator`` subclass.
+
+    process_env: (name, value) defaults for runtimes that read their settings
+    once, when torch loads them (an OpenMP runtime's spin-wait, a vendor
+    runtime's), so ``init_process`` is too late to set them. The ``platform``
+    CLI sets each one the user has not set, before anything imports torch:
+    those of the accelerator ``--device`` names, or with ``auto`` those of
+    every installed accelerator (the highest priority first). Processes it
+    starts (ranks, workers) inherit them; ``LLM(...)`` in a user's own
+    program does not set them.
+    """
 
     category: ClassVar[str] = "accelerator"
+    process_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
