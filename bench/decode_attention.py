@@ -12,7 +12,10 @@ busy machine is fair. ``--amx off,on`` times each copy with bf16 pages on
 the vector path and on AMX tiles (``set_amx_attention``; default: as the
 backend sets it). ``--rows N``: each sequence queries its last N positions
 (a prefill chunk's tile path; 1: decode). ``--isa`` narrows the instruction
-sets as PLINTH_CPU_ISA does. Prints us per call (per layer) and GFLOP/s (4 * Hq * D
+sets as PLINTH_CPU_ISA does. ``--pool-pages N --large-pages``: the tables
+draw their pages at random from pools of N pages a layer (a server's pool is
+GBs), allocated on 2 MB pages as the backend does (run once without and once
+with it). Prints us per call (per layer) and GFLOP/s (4 * Hq * D
 flops per context token: the scores and the weighted sum), and each copy's
 speed-up over the first."""
 
@@ -38,6 +41,10 @@ def main() -> None:
     p.add_argument("--pages", choices=("random", "sequential"), default="random", help="page order of each sequence's table")
     p.add_argument("--amx", default=None, help="comma-separated off,on: each copy timed with each (default: the backend's choice)")
     p.add_argument("--rows", type=int, default=1, help="query rows per sequence, at the end of its context")
+    p.add_argument("--pool-pages", type=int, default=0,
+                   help="pages in each layer's pool, the tables' pages drawn from them at random (default: what the batch needs)")
+    p.add_argument("--large-pages", action="store_true",
+                   help="the pools on 2 MB pages, as the backend's allocate_kv_cache gives them (default: torch's allocator)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--round-time", type=float, default=0.05, help="CPU seconds per round and copy")
     args = p.parse_args()
@@ -59,7 +66,8 @@ def main() -> None:
     torch.set_num_threads(1)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     ps = args.page_size
-    print(f"isa {','.join(sorted(isa))}; one thread; Hq={hq} Hkv={hkv} D={d}; page size {ps} ({args.pages} order); {args.layers} layer(s)")
+    print(f"isa {','.join(sorted(isa))}; one thread; Hq={hq} Hkv={hkv} D={d}; page size {ps} ({args.pages} order); {args.layers} layer(s); "
+          f"pools of {args.pool_pages or 'the batch'} pages on {'2 MB' if args.large_pages else 'the allocator'} pages")
     for i, name in enumerate(names):
         print(f"copy {i}: {name}")
     head = " | ".join(f"copy {i} us | GFLOP/s" + (" | x" if i else "") for i in range(len(mods)))
@@ -70,11 +78,13 @@ def main() -> None:
             for ctx in (int(x) for x in args.contexts.split(",")):
                 g = torch.Generator().manual_seed(0)
                 pages_per = -(-ctx // ps)
-                n = b * pages_per + 1
-                kvs = [
-                    (torch.randn(hkv, n, ps, d, generator=g).to(dtype), torch.randn(hkv, n, ps, d, generator=g).to(dtype))
-                    for _ in range(args.layers)
-                ]
+                n = max(b * pages_per + 1, args.pool_pages)
+
+                def pool(dtype=dtype, n=n, g=g):
+                    t = built[0].zeros_on_large_pages([hkv, n, ps, d], dtype) if args.large_pages else torch.empty(hkv, n, ps, d, dtype=dtype)
+                    return t.copy_(torch.randn(hkv, n, ps, d, generator=g))
+
+                kvs = [(pool(), pool()) for _ in range(args.layers)]
                 order = torch.randperm(n - 1, generator=g) if args.pages == "random" else torch.arange(n - 1)
                 tables = order[: b * pages_per].view(b, pages_per).to(torch.int32)
                 lens = torch.full((b,), ctx, dtype=torch.int32)
