@@ -42,7 +42,14 @@ def mapping(address: int) -> dict:
 
 
 def thp_granted() -> bool:
-    return THP.exists() and "[never]" not in THP.read_text()
+    """Whether a fault in an advised range gets a 2 MB page even when none is
+    free: huge pages not off, and the fault compacts memory for advised ranges
+    (``defrag`` always, madvise or defer+madvise; with defer or never it only
+    takes a free one, so the page may be 4 KB)."""
+    defrag = THP.with_name("defrag")
+    if not THP.exists() or "[never]" in THP.read_text() or not defrag.exists():
+        return False
+    return any(f"[{mode}]" in defrag.read_text() for mode in ("always", "madvise", "defer+madvise"))
 
 
 def test_zeros_on_large_pages(native_kernels):
