@@ -21,10 +21,9 @@ from test_quant import random_blocks  # noqa: E402
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="2 MB pages are asked of Linux only")
 LARGE_PAGE = 2 << 20
-CHUNK_SHARE = 8 << 20  # tensors up to a quarter of a 32 MB chunk share one
 
 
-def mapping(address: int) -> dict:
+def mapping(address: int) -> dict | None:
     """The /proc/self/smaps entry of the mapping holding ``address``: start,
     end, its VmFlags and its AnonHugePages in kB; None when nothing maps it."""
     entry = None

@@ -139,9 +139,7 @@ inline void large_page_release(LargePageChunk* c) {  // with large_page_lock() h
 // (Internal linkage, like the arena: each extension keeps its own, and two
 // builds loaded side by side never share a chunk list under two locks.)
 inline torch::Tensor large_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
-  int64_t numel = 1;
-  for (const int64_t s : sizes) numel *= s;
-  const size_t bytes = size_t(numel) * c10::elementSize(dtype);
+  const size_t bytes = size_t(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
   if (!large_pages_enabled() || bytes < LARGE_PAGE_MIN) return torch::zeros(sizes, torch::dtype(dtype));
 #if defined(__linux__)
   LargePageChunk* chunk = nullptr;
