@@ -32,6 +32,25 @@ CTX = SelectionContext()
 # ---- descriptors, API ranges, patterns -----------------------------------------
 
 
+@pytest.mark.parametrize(
+    "process_env, error",
+    [
+        ([("OMP_X", "1")], "must be a tuple"),
+        ((("OMP_X",),), "not a \\(name, value\\) pair"),
+        ((("OMP_X", 1),), "not a \\(name, value\\) pair"),
+        ((("", "1"),), "cannot set"),
+        ((("A=B", "1"),), "cannot set"),
+        ((("A", "x\0y"),), "cannot set"),
+        ((("A", "1"), ("A", "2")), "sets A twice"),
+    ],
+)
+def test_accelerator_descriptor_rejects_a_process_env_the_cli_could_not_set(process_env: object, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        AcceleratorDescriptor(name="npu", impl="pkg.mod:Cls", process_env=process_env)  # type: ignore[arg-type]
+    ok = AcceleratorDescriptor(name="npu", impl="pkg.mod:Cls", process_env=(("GOMP_SPINCOUNT", "20000"), ("EMPTY", "")))
+    assert ok.process_env[0] == ("GOMP_SPINCOUNT", "20000")
+
+
 def test_descriptor_validates_name_and_impl_path() -> None:
     AcceleratorDescriptor(name="my-npu.v2", impl="pkg.mod:Cls")
     with pytest.raises(ValueError, match="simple identifier"):

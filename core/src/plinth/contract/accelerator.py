@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, cast
 
 from plinth.contract.base import PluginDescriptor, PluginImpl
 
@@ -29,6 +29,31 @@ class AcceleratorDescriptor(PluginDescriptor):
 
     category: ClassVar[str] = "accelerator"
     process_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # checked here, at registration: the CLI writes them into os.environ
+        # before torch loads, where a bad one would fail every command
+        raw = cast(object, self.process_env)  # whatever a plugin passed, whatever the annotation says
+        if not isinstance(raw, tuple):
+            raise ValueError(f"{self.name}: process_env must be a tuple of (name, value) pairs, got {type(raw).__name__}")
+        seen: set[str] = set()
+        for pair in cast("tuple[object, ...]", raw):
+            name = _env_name(self.name, pair)
+            if name in seen:
+                raise ValueError(f"{self.name}: process_env sets {name} twice")
+            seen.add(name)
+
+
+def _env_name(plugin: str, pair: object) -> str:
+    """The name of pair, a (name, value) an environment can hold, or a ValueError."""
+    items = cast("tuple[object, ...]", pair) if isinstance(pair, tuple) else ()
+    if len(items) != 2 or not isinstance(items[0], str) or not isinstance(items[1], str):
+        raise ValueError(f"{plugin}: process_env entry {pair!r} is not a (name, value) pair of strings")
+    name, value = items[0], items[1]
+    if not name or "=" in name or "\0" in name or "\0" in value:
+        raise ValueError(f"{plugin}: process_env cannot set {name!r}={value!r} in the environment")
+    return name
 
 
 @dataclass

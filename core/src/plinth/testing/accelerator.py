@@ -79,6 +79,9 @@ def check_accelerator(
         report.problem(str(exc))
         return report.raise_for_problems() if raise_on_problem else report  # type: ignore[return-value]
     report.ok(f"registered by {entry.distribution} {entry.version}; impl {entry.descriptor.impl}")
+    # valid by construction (AcceleratorDescriptor checks it); shown so a vendor sees what the CLI sets
+    process_env = getattr(entry.descriptor, "process_env", ())
+    report.ok(f"process_env: {', '.join(f'{n}={v}' for n, v in process_env) or 'none'}")
     report.expect(issubclass(cls, Accelerator), "subclasses plinth.api.Accelerator")
     report.expect(
         isinstance(cls.device_type, str) and bool(cls.device_type),
