@@ -194,6 +194,8 @@ def test_backend_splits_batches_between_fused_and_dense(name, amx, monkeypatch):
         assert torch.equal(ops.linear(x[i : i + 1], weight, bias), whole[i : i + 1]), f"row {i}"
     small = ops.linear(x[:rows], weight, bias)
     assert torch.equal(small, whole[:rows])
+    # leading dims are flattened (2-D inputs skip the reshape): the same rows, the same bits
+    assert torch.equal(ops.linear(x[: rows - rows % 2].view(2, -1, k), weight, bias).reshape(-1, n), whole[: rows - rows % 2])
     if weight.fused is not None:  # which path ran: zeroed records give the bias alone, to few rows only
         weight.fused = torch.zeros_like(weight.fused)
         assert torch.equal(ops.linear(x[:rows], weight, bias), bias.expand(rows, n))

@@ -282,6 +282,8 @@ def make_fused_gguf_linear(small: SmallGemm) -> Callable[..., Any]:
             fused_linear = small.kernels.gguf_fused_linear_amx if small.amx() else small.kernels.gguf_fused_linear
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
+        if x.dim() == 2:  # a model's [tokens, features]: no reshape and view (2 us of ~120 calls a step)
+            return fused_linear(x, weight.fused, weight.code, weight.out_features, weight.in_features, bias)
         shape = x.shape
         y = fused_linear(x.reshape(-1, shape[-1]), weight.fused, weight.code, weight.out_features, weight.in_features, bias)
         return y.view(*shape[:-1], weight.out_features)
@@ -347,8 +349,9 @@ def make_linear(reference_linear: Callable[..., Any], small: SmallGemm | None = 
         if type(weight) is PackedLinear:
             if x.dtype != weight.dtype:
                 x = x.to(weight.dtype)
+            flat = x.dim() == 2  # a model's [tokens, features]: no reshape and view (2 us of ~120 calls a step)
             shape = x.shape
-            x2 = x.reshape(-1, shape[-1])
+            x2 = x if flat else x.reshape(-1, shape[-1])
             if x2.shape[0] <= weight.small_rows:
                 if small_linear is None:
                     assert small is not None and small.kernels is not None, "a streaming copy comes from small.pack"
@@ -358,7 +361,7 @@ def make_linear(reference_linear: Callable[..., Any], small: SmallGemm | None = 
                 y = kernel(x2, weight.small, weight.out_features, weight.in_features, bias)
             else:
                 y = mkldnn_linear(x2, weight.packed, bias, "none", [], "")
-            return y.view(*shape[:-1], weight.out_features)
+            return y if flat else y.view(*shape[:-1], weight.out_features)
         return reference_linear(x, weight, bias)
 
     return linear
