@@ -256,7 +256,7 @@ def test_accelerators_set_their_runtime_env_before_torch_loads(user_value: str |
     proc = subprocess.run([sys.executable, "-c", SPY_ENV, "plugins"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen == {"env": user_value or "20000", "torch": False}
+    assert seen == {"env": user_value or "2000", "torch": False}
 
 
 def test_process_env_follows_the_named_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,6 +268,6 @@ def test_process_env_follows_the_named_device(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv("GOMP_SPINCOUNT")
     assert set_process_env(registry, "cuda") == {}  # another accelerator: not the cpu's defaults
     assert "GOMP_SPINCOUNT" not in os.environ
-    assert set_process_env(registry, "cpu") == {"GOMP_SPINCOUNT": "20000"}
-    assert os.environ["GOMP_SPINCOUNT"] == "20000"
+    assert set_process_env(registry, "cpu") == {"GOMP_SPINCOUNT": "2000"}
+    assert os.environ["GOMP_SPINCOUNT"] == "2000"
     assert set_process_env(registry, "cpu") == {}  # set once: a value already there is kept

@@ -12,12 +12,15 @@ def plinth_register_accelerators():
             priority=0,  # the fallback every machine has
             description="host CPU (torch, gloo)",
             # libgomp's threads spin this many pauses at the end of a parallel
-            # region before they sleep (default 300000: milliseconds). A served
-            # step's threads then kept both cores spinning between steps while
-            # the event loop and the client waited for one: on 2 cores the gap
-            # between steps fell from 1.2 to 0.13 ms, and a 16-row decode step
-            # ran ~3% faster (docs/benchmarks.md)
-            process_env=(("GOMP_SPINCOUNT", "20000"),),
+            # region before they sleep (default 300000: 7 ms on Zen 4, 25 ns a
+            # pause). A served step's threads then kept both cores spinning
+            # between steps while the event loop and the client waited for
+            # one. 2000 (49 us there) still spans the Python between a step's
+            # ops (300, 7 us, did not: 10% slower), and lets a thread whose
+            # partner the client preempted sleep, so the OS moves the partner
+            # onto its core: served 16-stream throughput +4-5% over 20000
+            # (docs/benchmarks.md)
+            process_env=(("GOMP_SPINCOUNT", "2000"),),
         )
     ]
 
