@@ -222,6 +222,19 @@ def test_registration_hook_that_raises_fails_the_plugin_only() -> None:
     assert row["status"] == FAILED and "driver probe exploded" in row["reasons"][0]
 
 
+def test_a_bad_process_env_fails_its_plugin_at_discovery_with_the_reason() -> None:
+    @hookimpl
+    def plinth_register_accelerators():
+        return [AcceleratorDescriptor(name="npu", impl="pkg.mod:Cls", process_env=(("A=B", "1"),))]
+
+    bad = plugin_module("npu")
+    bad.plinth_register_accelerators = plinth_register_accelerators
+    reg = registry_of(("npu", "1", bad), ("good", "1", plugin_module("good", accel("fine"))))
+    assert reg.entry_points[0].status == FAILED
+    assert "process_env cannot set 'A=B'='1'" in reg.entry_points[0].error
+    assert reg.names("accelerator") == ["fine"]  # the CLI never sees it, so never sets it
+
+
 def test_unknown_hook_and_bad_signature_are_rejected() -> None:
     @hookimpl
     def plinth_register_widgets():
