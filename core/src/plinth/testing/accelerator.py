@@ -53,6 +53,8 @@ def check_accelerator(
     Always: it is found by the real discovery (exactly one distribution
     registers the name), its class names a ``device_type`` and a
     ``dist_backend``, and ``check(ctx)`` returns a list of non-empty strings.
+    The report also lists the descriptor's ``process_env`` (what the CLI
+    sets before torch loads; the descriptor checked it when it was built).
 
     When available (and ``device``): ``info()`` is an ``AcceleratorInfo`` that
     agrees with the class, counts at least one device, lists its dtypes (torch

@@ -18,8 +18,8 @@ def plinth_register_accelerators():
             # one. 2000 (49 us there) still spans the Python between a step's
             # ops (300, 7 us, did not: 10% slower), and lets a thread whose
             # partner the client preempted sleep, so the OS moves the partner
-            # onto its core: served 16-stream throughput +4% over 20000 (median of 14 pairs)
-            # (docs/benchmarks.md)
+            # onto its core: served 16-stream throughput +4% over 20000
+            # (median of 14 pairs, docs/benchmarks.md)
             process_env=(("GOMP_SPINCOUNT", "2000"),),
         )
     ]

@@ -282,11 +282,10 @@ def make_fused_gguf_linear(small: SmallGemm) -> Callable[..., Any]:
             fused_linear = small.kernels.gguf_fused_linear_amx if small.amx() else small.kernels.gguf_fused_linear
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
-        if x.dim() == 2:  # a model's [tokens, features]: no reshape and view (2 us of ~120 calls a step)
-            return fused_linear(x, weight.fused, weight.code, weight.out_features, weight.in_features, bias)
+        flat = x.dim() == 2  # a model's [tokens, features]: no reshape and view (2 us of ~120 calls a step)
         shape = x.shape
-        y = fused_linear(x.reshape(-1, shape[-1]), weight.fused, weight.code, weight.out_features, weight.in_features, bias)
-        return y.view(*shape[:-1], weight.out_features)
+        y = fused_linear(x if flat else x.reshape(-1, shape[-1]), weight.fused, weight.code, weight.out_features, weight.in_features, bias)
+        return y if flat else y.view(*shape[:-1], weight.out_features)
 
     return linear
 
