@@ -50,6 +50,11 @@ class Master:
         while time.monotonic() < end:
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/health", timeout=1)
+                # the metrics server can answer before the RPC and metadata
+                # listeners are bound (a connector then saw "connection
+                # refused" on the RPC port in CI): ready when all three are
+                for port in (self.rpc, self.http):
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 return
             except OSError:
                 if self.proc.poll() is not None:
