@@ -203,6 +203,8 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
             app,
             log_level=str(args.uvicorn_log_level).lower(),
             timeout_graceful_shutdown=5,
+            loop="auto",  # uvloop and httptools (core's dependencies) where installed, else asyncio and h11
+            http="auto",
             access_log=str(args.uvicorn_log_level).lower() in ("debug", "trace", "info"),
         )
         server = _server_class(uvicorn)(uconfig, engine=engine, shutdown_timeout=args.shutdown_timeout)
