@@ -865,7 +865,7 @@ def run_client(coro: Any) -> Any:
     CPython outside Windows), else on asyncio's loop. The client shares the
     machine with the server it measures: on 2 cores its asyncio loop took
     1.34-1.47 s of CPU a run (concurrency 16, 32 x 128 tokens) and uvloop's
-    1.17-1.29, and the server it measured gave 1.06-1.14x the output tok/s
+    1.17-1.26, and the server it measured gave 1.06-1.14x the output tok/s
     (docs/benchmarks.md)."""
     import asyncio
 
