@@ -80,3 +80,21 @@ def test_proxy_flow_and_fallbacks():
             r = httpx.post(px.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
             assert r.status_code == 400 and "client_err says 400" in r.text
             assert [n for n, _ in log] == ["client_err"]  # never reached the decode instance
+
+
+def test_both_fronts_answer_a_bad_body_with_400():
+    """A body that is not JSON, or JSON but not an object: 400 with an
+    OpenAI-shaped error from the proxy and the router (one check serves
+    both), and no instance is sent anything."""
+    from plinth.server.router import build_router_app
+
+    log = []
+    with ServerThread(stand_in("p1", log)) as p1, ServerThread(stand_in("d1", log)) as d1:
+        for app in (build_proxy_app([p1.url], [d1.url]), build_router_app([d1.url], policy="round-robin")):
+            with ServerThread(app) as front:
+                for content, why in ((b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object")):
+                    r = httpx.post(front.url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=10)
+                    assert r.status_code == 400, r.text
+                    error = r.json()["error"]
+                    assert why in error["message"] and error["type"] == "invalid_request_error"
+    assert log == []

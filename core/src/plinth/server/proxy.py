@@ -27,7 +27,7 @@ import asyncio
 import logging
 from typing import Any
 
-from plinth.server.replicas import Replica, ReplicaSet, forward_headers, open_stream, relay
+from plinth.server.replicas import Replica, ReplicaSet, forward_headers, open_stream, read_json_body, relay
 
 log = logging.getLogger("plinth.proxy")
 
@@ -113,12 +113,9 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
     async def generate(request: Request) -> Response:
         ensure_polling()
         path = request.url.path
-        try:
-            body = await request.json()
-        except ValueError:
-            return JSONResponse({"error": {"message": "the body is not valid JSON", "type": "invalid_request_error"}}, 400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": {"message": "the body must be a JSON object", "type": "invalid_request_error"}}, 400)
+        body, invalid = await read_json_body(request)
+        if body is None:
+            return invalid
         headers = forward_headers(request.headers)
         early = await run_prefill(path, body, headers)
         if early is not None:

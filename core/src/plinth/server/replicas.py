@@ -136,6 +136,21 @@ def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
 
 
+async def read_json_body(request: Any) -> tuple[dict[str, Any] | None, Any]:
+    """(the request's JSON object, None), or (None, the 400 answer to give)
+    when its body is not JSON or not an object: what both fronts check
+    before they choose a replica."""
+    from fastapi.responses import JSONResponse
+
+    try:
+        body = await request.json()
+    except ValueError:
+        return None, JSONResponse({"error": {"message": "the body is not valid JSON", "type": "invalid_request_error"}}, 400)
+    if not isinstance(body, dict):
+        return None, JSONResponse({"error": {"message": "the body must be a JSON object", "type": "invalid_request_error"}}, 400)
+    return body, None
+
+
 async def open_stream(client: Any, up: Replica, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
     """POST ``body`` to ``up`` and return its response once the headers are in
     (the body still to stream). The request counts in ``up.inflight`` from here

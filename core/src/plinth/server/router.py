@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from plinth.engine.block_manager import hash_page
 from plinth.server.proxy import ROUTES
-from plinth.server.replicas import Replica, ReplicaSet, forward_headers, open_stream, relay
+from plinth.server.replicas import Replica, ReplicaSet, forward_headers, open_stream, read_json_body, relay
 
 log = logging.getLogger("plinth.router")
 
@@ -480,12 +480,9 @@ class Router:
 
         self.ensure_polling()
         path = request.url.path
-        try:
-            body = await request.json()
-        except ValueError:
-            return JSONResponse({"error": {"message": "the body is not valid JSON", "type": "invalid_request_error"}}, 400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": {"message": "the body must be a JSON object", "type": "invalid_request_error"}}, 400)
+        body, invalid = await read_json_body(request)
+        if body is None:
+            return invalid
         headers = forward_headers(request.headers)
         last = "no replica"
         for up in await self.candidates(path, body, headers):

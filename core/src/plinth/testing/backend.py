@@ -84,6 +84,20 @@ def attention_metadata(seqs: list[tuple[int, int]], tables: list[list[int]], pag
     )
 
 
+def random_attention_metadata(query_lens: list[int], seq_lens: list[int], page_size: int, generator: Any, *, spare_pages: int = 2, device: Any = "cpu") -> tuple[Any, int]:
+    """(AttentionMetadata, the pool's page count) for sequences whose last
+    ``query_lens[i]`` of ``seq_lens[i]`` positions are new, their pages drawn
+    in random order (``generator``) from a pool with ``spare_pages`` unused."""
+    import torch
+
+    pages_per = [-(-s // page_size) for s in seq_lens]
+    num_pages = sum(pages_per) + spare_pages
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    tables = [[order.pop() for _ in range(n)] for n in pages_per]
+    seqs = [(s - n, n) for n, s in zip(query_lens, seq_lens)]
+    return attention_metadata(seqs, tables, page_size, torch.device(device)), num_pages
+
+
 def _check_attention(report: Report, ops: Any, ref: Any, dtype: Any, device: Any, tol: float, *, page_size: int, heads: tuple[int, int], window: int | None) -> None:
     import torch
 

@@ -5,7 +5,8 @@ scoring) per token through the kernel; long prefill chunks to the reference."""
 
 import pytest
 import torch
-from plinth.api import AttentionMetadata, SelectionContext, load_accelerator
+from plinth.api import SelectionContext, load_accelerator
+from plinth.testing.backend import random_attention_metadata
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend
 from plinth_plugin_torch.backend import TorchBackend
 
@@ -20,25 +21,7 @@ def ops():
 
 def _batch(query_lens, seq_lens, *, page_size, num_kv, num_heads, dim, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    pages_per = [-(-s // page_size) for s in seq_lens]
-    num_pages = sum(pages_per) + 3
-    order = torch.randperm(num_pages, generator=g).tolist()
-    tables = torch.zeros(len(seq_lens), max(pages_per), dtype=torch.int32)
-    positions, slots = [], []
-    for i, (n, s) in enumerate(zip(query_lens, seq_lens)):
-        pages = [order.pop() for _ in range(pages_per[i])]
-        tables[i, : len(pages)] = torch.tensor(pages)
-        for pos in range(s - n, s):
-            positions.append(pos)
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(
-        positions=torch.tensor(positions), slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, page_size=page_size,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
-    )
+    meta, num_pages = random_attention_metadata(query_lens, seq_lens, page_size, g, spare_pages=3)
     t = sum(query_lens)
     q = torch.randn(t, num_heads, dim, generator=g).to(dtype)
     k = torch.randn(t, num_kv, dim, generator=g).to(dtype)

@@ -5,7 +5,8 @@ sizes 16 and 7, with and without a sliding window, bfloat16 and float32; and the
 
 import pytest
 import torch
-from plinth.api import AttentionMetadata, SelectionContext, load_accelerator
+from plinth.api import SelectionContext, load_accelerator
+from plinth.testing.backend import random_attention_metadata
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend
 from plinth_plugin_torch.backend import TorchBackend
 
@@ -16,30 +17,6 @@ def ops():
     table = dict(reference)
     table.update(CPUKernelsBackend(SelectionContext(accelerator=load_accelerator("cpu")), reference).ops())
     return reference, table
-
-
-def _meta(query_lens, seq_lens, page_size, seed):
-    g = torch.Generator().manual_seed(seed)
-    pages_per = [-(-s // page_size) for s in seq_lens]
-    num_pages = sum(pages_per) + 2
-    order = torch.randperm(num_pages, generator=g).tolist()
-    tables = torch.zeros(len(seq_lens), max(pages_per), dtype=torch.int32)
-    positions, slots = [], []
-    for i, (n, s) in enumerate(zip(query_lens, seq_lens)):
-        pages = [order.pop() for _ in range(pages_per[i])]
-        tables[i, : len(pages)] = torch.tensor(pages)
-        for pos in range(s - n, s):
-            positions.append(pos)
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(
-        positions=torch.tensor(positions), slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, page_size=page_size,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
-    )
-    return meta, num_pages
 
 
 def _composed(table, qkv, positions, cos_sin, is_neox, cache, meta, *, num_heads, num_kv_heads, head_dim, scale, sliding_window):
@@ -61,7 +38,7 @@ def test_fused_equals_rotary_then_attention(ops, dtype, page_size, heads, is_neo
     num_heads, num_kv = heads
     dim = 64
     seq_lens = [1, 9, 17, 40, 70, 33]
-    meta, num_pages = _meta(query_lens, seq_lens, page_size, seed=3)
+    meta, num_pages = random_attention_metadata(query_lens, seq_lens, page_size, torch.Generator().manual_seed(3))
     g = torch.Generator().manual_seed(4)
     t = sum(query_lens)
     qkv = torch.randn(t, (num_heads + 2 * num_kv) * dim, generator=g).to(dtype)
