@@ -130,7 +130,8 @@ def test_staging_areas_are_registered_at_start_up_and_reused_in_chunks():
     store = DictStore()
     a = _engine(store, staging_pages=4)
     deadline = time.monotonic() + 10
-    while len(store.registrations) < 3 and time.monotonic() < deadline:
+    # the registrations and the start-up probe (submitted to the lookup pool) run on their own threads
+    while (len(store.registrations) < 3 or store.calls < 1) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(store.registrations) == 3 and len({t for t, _, _ in store.registrations}) == 3
     assert store.calls == 1  # only the start-up probe has called the store
