@@ -40,7 +40,8 @@ parser
 A plugin's tests import only these names and ``plinth.api``. Helpers for
 tests that go beyond the kit: ``resolve_op_table`` / ``op_table`` (the op
 table start-up builds for a backend), ``attention_metadata`` (a step's
-metadata for given sequences and pages), ``kv_test_layout``,
+metadata for given sequences and pages; ``random_attention_metadata``: their
+pages drawn in random order), ``kv_test_layout``,
 ``kv_value_bytes`` and ``kv_key`` (a KV connector's layout, stored value size
 and store keys),
 ``bundled_model_path`` (the bundled default GGUF, or None),
@@ -61,7 +62,13 @@ from typing import Any
 from plinth.testing._report import ConformanceError, Report
 from plinth.testing.a2a import check_a2a
 from plinth.testing.accelerator import AcceleratorReport, check_accelerator
-from plinth.testing.backend import attention_metadata, check_backend, op_table, resolve_op_table
+from plinth.testing.backend import (
+    attention_metadata,
+    check_backend,
+    op_table,
+    random_attention_metadata,
+    resolve_op_table,
+)
 from plinth.testing.conformance import (
     A2AConformance,
     AcceleratorConformance,
@@ -130,6 +137,7 @@ __all__ = [
     "ToolParserConformance",
     "Report",
     "attention_metadata",
+    "random_attention_metadata",
     "bundled_model_path",
     "check_a2a",
     "check_accelerator",

@@ -6,7 +6,7 @@ scoring) per token through the kernel; long prefill chunks to the reference."""
 import pytest
 import torch
 from plinth.api import SelectionContext, load_accelerator
-from plinth.testing.backend import random_attention_metadata
+from plinth.testing import random_attention_metadata
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend
 from plinth_plugin_torch.backend import TorchBackend
 

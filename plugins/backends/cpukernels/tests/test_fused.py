@@ -6,7 +6,7 @@ sizes 16 and 7, with and without a sliding window, bfloat16 and float32; and the
 import pytest
 import torch
 from plinth.api import SelectionContext, load_accelerator
-from plinth.testing.backend import random_attention_metadata
+from plinth.testing import random_attention_metadata
 from plinth_plugin_cpukernels.backend import CPUKernelsBackend
 from plinth_plugin_torch.backend import TorchBackend
 
