@@ -83,18 +83,24 @@ def test_proxy_flow_and_fallbacks():
 
 
 def test_both_fronts_answer_a_bad_body_with_400():
-    """A body that is not JSON, or JSON but not an object: 400 with an
-    OpenAI-shaped error from the proxy and the router (one check serves
-    both), and no instance is sent anything."""
+    """A body that is not JSON, or JSON but not an object: 400 from the
+    proxy and the router (one check serves both), with the server's error
+    body for the route (OpenAI's, Anthropic's on /v1/messages), and no
+    instance is sent anything."""
     from plinth.server.router import build_router_app
 
     log = []
+    bodies = ((b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"))
     with ServerThread(stand_in("p1", log)) as p1, ServerThread(stand_in("d1", log)) as d1:
         for app in (build_proxy_app([p1.url], [d1.url]), build_router_app([d1.url], policy="round-robin")):
             with ServerThread(app) as front:
-                for content, why in ((b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object")):
-                    r = httpx.post(front.url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=10)
-                    assert r.status_code == 400, r.text
-                    error = r.json()["error"]
-                    assert why in error["message"] and error["type"] == "invalid_request_error"
+                for path in ("/v1/completions", "/v1/messages"):
+                    for content, why in bodies:
+                        r = httpx.post(front.url + path, content=content, headers={"content-type": "application/json"}, timeout=10)
+                        assert r.status_code == 400, r.text
+                        answer = r.json()
+                        if path == "/v1/messages":
+                            assert answer["type"] == "error"
+                        error = answer["error"]
+                        assert why in error["message"] and error["type"] == "invalid_request_error"
     assert log == []

@@ -139,16 +139,23 @@ def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
 async def read_json_body(request: Any) -> tuple[dict[str, Any] | None, Any]:
     """(the request's JSON object, None), or (None, the 400 answer to give)
     when its body is not JSON or not an object: what both fronts check
-    before they choose a replica."""
+    before they choose a replica. The answer has the server's own error body
+    for the route (``plinth.server.errors``: Anthropic's on /v1/messages,
+    else OpenAI's)."""
     from fastapi.responses import JSONResponse
+
+    from plinth.server.errors import APIError, error_body
 
     try:
         body = await request.json()
     except ValueError:
-        return None, JSONResponse({"error": {"message": "the body is not valid JSON", "type": "invalid_request_error"}}, 400)
-    if not isinstance(body, dict):
-        return None, JSONResponse({"error": {"message": "the body must be a JSON object", "type": "invalid_request_error"}}, 400)
-    return body, None
+        problem = "the body is not valid JSON"
+    else:
+        if isinstance(body, dict):
+            return body, None
+        problem = "the body must be a JSON object"
+    err = APIError.bad_request(problem)
+    return None, JSONResponse(error_body(request.url.path, err), err.status)
 
 
 async def open_stream(client: Any, up: Replica, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
