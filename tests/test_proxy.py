@@ -104,3 +104,28 @@ def test_both_fronts_answer_a_bad_body_with_400():
                         error = answer["error"]
                         assert why in error["message"] and error["type"] == "invalid_request_error"
     assert log == []
+
+
+def test_both_fronts_answer_502_when_no_instance_can_take_the_request():
+    """The decode instance (proxy) or every replica (router) unreachable: 502
+    with the server's error body for the route (type api_error, code
+    upstream_unavailable; Anthropic's shape on /v1/messages), naming the
+    instance that failed; the router's /v1/models alike."""
+    from plinth.server.router import build_router_app
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    for app in (build_proxy_app([dead], [dead]), build_router_app([dead], policy="round-robin")):
+        with ServerThread(app) as front:
+            for path in ("/v1/completions", "/v1/messages"):
+                r = httpx.post(front.url + path, json={"prompt": "hi", "max_tokens": 5}, timeout=10)
+                assert r.status_code == 502, r.text
+                answer = r.json()
+                if path == "/v1/messages":
+                    assert answer["type"] == "error" and set(answer["error"]) == {"type", "message"}
+                error = answer["error"]
+                assert error["type"] == "api_error"
+                assert path == "/v1/messages" or error["code"] == "upstream_unavailable"
+                assert "replica" in error["message"] or dead in error["message"]
+    with ServerThread(build_router_app([dead], policy="round-robin")) as front:
+        r = httpx.get(front.url + "/v1/models", timeout=10)
+        assert r.status_code == 502 and r.json()["error"]["message"] == "no replica answers"

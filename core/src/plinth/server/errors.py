@@ -34,6 +34,7 @@ ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
+    502: "api_error",  # a front (proxy, router) whose instances could not take the request
     503: "overloaded_error",
 }
 

@@ -27,7 +27,15 @@ import asyncio
 import logging
 from typing import Any
 
-from plinth.server.replicas import Replica, ReplicaSet, forward_headers, open_stream, read_json_body, relay
+from plinth.server.replicas import (
+    Replica,
+    ReplicaSet,
+    forward_headers,
+    open_stream,
+    read_json_body,
+    relay,
+    upstream_failed,
+)
 
 log = logging.getLogger("plinth.proxy")
 
@@ -126,10 +134,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
         except httpx.HTTPError as exc:
             if isinstance(exc, httpx.TransportError):
                 dec.mark_down(up, f"{type(exc).__name__}: {exc}")
-            return JSONResponse(
-                {"error": {"message": f"decode instance {up.url} failed: {type(exc).__name__}: {exc}", "type": "server_error"}},
-                502,
-            )
+            return upstream_failed(path, f"decode instance {up.url} failed: {type(exc).__name__}: {exc}")
         return relay(up, r, dec)
 
     for route in ROUTES:

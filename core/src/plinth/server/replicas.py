@@ -142,9 +142,7 @@ async def read_json_body(request: Any) -> tuple[dict[str, Any] | None, Any]:
     before they choose a replica. The answer has the server's own error body
     for the route (``plinth.server.errors``: Anthropic's on /v1/messages,
     else OpenAI's)."""
-    from fastapi.responses import JSONResponse
-
-    from plinth.server.errors import APIError, error_body
+    from plinth.server.errors import APIError
 
     try:
         body = await request.json()
@@ -154,8 +152,23 @@ async def read_json_body(request: Any) -> tuple[dict[str, Any] | None, Any]:
         if isinstance(body, dict):
             return body, None
         problem = "the body must be a JSON object"
-    err = APIError.bad_request(problem)
-    return None, JSONResponse(error_body(request.url.path, err), err.status)
+    return None, error_response(request.url.path, APIError.bad_request(problem))
+
+
+def upstream_failed(path: str, message: str) -> Any:
+    """A front's 502 when no instance could take the request (unreachable,
+    or none up), with the server's error body for the route."""
+    from plinth.server.errors import APIError
+
+    return error_response(path, APIError(502, message, code="upstream_unavailable"))
+
+
+def error_response(path: str, err: Any) -> Any:
+    from fastapi.responses import JSONResponse
+
+    from plinth.server.errors import error_body
+
+    return JSONResponse(error_body(path, err), err.status, headers=err.headers or None)
 
 
 async def open_stream(client: Any, up: Replica, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:

@@ -43,7 +43,15 @@ from typing import Any, Callable
 
 from plinth.engine.block_manager import hash_page
 from plinth.server.proxy import ROUTES
-from plinth.server.replicas import Replica, ReplicaSet, forward_headers, open_stream, read_json_body, relay
+from plinth.server.replicas import (
+    Replica,
+    ReplicaSet,
+    forward_headers,
+    open_stream,
+    read_json_body,
+    relay,
+    upstream_failed,
+)
 
 log = logging.getLogger("plinth.router")
 
@@ -476,7 +484,6 @@ class Router:
     async def generate(self, request: Any) -> Any:
         """Every generation route: the best replica that can be reached gets the request, unchanged."""
         import httpx
-        from fastapi.responses import JSONResponse
 
         self.ensure_polling()
         path = request.url.path
@@ -494,11 +501,11 @@ class Router:
                 self.replicas.mark_down(up, last)
                 continue
             return relay(up, r, self.replicas, self.metrics.outcome)
-        return JSONResponse({"error": {"message": f"no replica could take the request ({last})", "type": "server_error"}}, 502)
+        return upstream_failed(path, f"no replica could take the request ({last})")
 
     async def models(self, request: Any) -> Any:
         import httpx
-        from fastapi.responses import JSONResponse, Response
+        from fastapi.responses import Response
 
         for up in self.replicas.up():
             try:
@@ -507,7 +514,7 @@ class Router:
                 self.replicas.mark_down(up, f"{type(exc).__name__}: {exc}")
                 continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return JSONResponse({"error": {"message": "no replica answers", "type": "server_error"}}, 502)
+        return upstream_failed(request.url.path, "no replica answers")
 
     def health(self) -> tuple[dict[str, Any], int]:
         """ok when every replica is healthy, degraded (200) while one is, unavailable (503) when none is."""
