@@ -18,7 +18,10 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
+
+if TYPE_CHECKING:
+    from plinth.server.errors import APIError
 
 log = logging.getLogger("plinth.replicas")
 
@@ -163,7 +166,9 @@ def upstream_failed(path: str, message: str) -> Any:
     return error_response(path, APIError(502, message, code="upstream_unavailable"))
 
 
-def error_response(path: str, err: Any) -> Any:
+def error_response(path: str, err: APIError) -> Any:
+    """``err`` as the fronts answer it: the server's error body for the
+    route, its status and headers."""
     from fastapi.responses import JSONResponse
 
     from plinth.server.errors import error_body
