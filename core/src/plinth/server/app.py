@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from plinth import __version__
 from plinth.engine.interfaces import EngineClient
 from plinth.server import anthropic_api, openai_api, openapi, responses_api
-from plinth.server.errors import APIError, error_body, error_bytes, is_anthropic_path, validation_message
+from plinth.server.errors import APIError, error_bytes, error_response, is_anthropic_path, validation_message
 from plinth.server.generation import GenerationPipeline
 from plinth.server.metrics import CONTENT_TYPE
 from plinth.server.protocol import (
@@ -41,10 +41,6 @@ API_KEY_ENV = "PLINTH_API_KEY"
 #: routes that need the API key (when one is set); /health, /ready, /metrics and /version stay open
 def _protected(path: str) -> bool:
     return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
-
-
-def _error_response(path: str, err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(path, err), status_code=err.status, headers=err.headers or None)
 
 
 async def _send_error(send: Any, path: str, err: APIError) -> None:
@@ -212,12 +208,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(request.url.path, exc)
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param, code = validation_message(list(exc.errors()))
-        return _error_response(request.url.path, APIError(400, message, param=param, code=code))
+        return error_response(request.url.path, APIError(400, message, param=param, code=code))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -229,13 +225,13 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = str(exc.detail)
         err = APIError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None)
         err.headers.update(exc.headers or {})  # 405 carries Allow
-        return _error_response(request.url.path, err)
+        return error_response(request.url.path, err)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
-        return _error_response(request.url.path, err)
+        return error_response(request.url.path, err)
 
 
 def add_service_routes(app: FastAPI, ctx: ServingContext, transfer: Any) -> None:

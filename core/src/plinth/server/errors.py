@@ -87,6 +87,15 @@ def error_bytes(path: str, err: APIError) -> bytes:
     return json.dumps(error_body(path, err)).encode()
 
 
+def error_response(path: str, err: APIError) -> Any:
+    """``err`` as a response (a FastAPI ``JSONResponse``): the body for the
+    route, its status and headers; the server's and the fronts' one way to
+    answer an error."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(error_body(path, err), status_code=err.status, headers=err.headers or None)
+
+
 def engine_exception(exc: BaseException) -> APIError:
     """Map what ``AsyncLLM.generate`` raises to an answer."""
     from plinth.engine.interfaces import EngineDraining, EngineError, EngineOverloaded

@@ -18,10 +18,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
-
-if TYPE_CHECKING:
-    from plinth.server.errors import APIError
+from typing import Any, AsyncIterator, Callable, Mapping
 
 log = logging.getLogger("plinth.replicas")
 
@@ -145,7 +142,7 @@ async def read_json_body(request: Any) -> tuple[dict[str, Any] | None, Any]:
     before they choose a replica. The answer has the server's own error body
     for the route (``plinth.server.errors``: Anthropic's on /v1/messages,
     else OpenAI's)."""
-    from plinth.server.errors import APIError
+    from plinth.server.errors import APIError, error_response
 
     try:
         body = await request.json()
@@ -161,19 +158,9 @@ async def read_json_body(request: Any) -> tuple[dict[str, Any] | None, Any]:
 def upstream_failed(path: str, message: str) -> Any:
     """A front's 502 when no instance could take the request (unreachable,
     or none up), with the server's error body for the route."""
-    from plinth.server.errors import APIError
+    from plinth.server.errors import APIError, error_response
 
     return error_response(path, APIError(502, message, code="upstream_unavailable"))
-
-
-def error_response(path: str, err: APIError) -> Any:
-    """``err`` as the fronts answer it: the server's error body for the
-    route, its status and headers."""
-    from fastapi.responses import JSONResponse
-
-    from plinth.server.errors import error_body
-
-    return JSONResponse(error_body(path, err), err.status, headers=err.headers or None)
 
 
 async def open_stream(client: Any, up: Replica, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
