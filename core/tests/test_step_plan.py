@@ -62,17 +62,32 @@ def test_latency_bound_caps_a_curve_still_falling():
     assert sp.choose_budget(curve_of(cost), latency_bound=1.0)[0] == 2048
 
 
-def test_every_size_over_the_bound_takes_the_smallest_then_the_floor():
+def test_every_size_over_the_bound_takes_the_smallest_then_the_decodes():
     curve = curve_of(lambda n: 1.0 + 0.01 * n, sizes=(32, 64))
     budget, why = sp.choose_budget(curve, latency_bound=0.25)
     assert budget == 32 and "over the 250 ms" in why
-    budget, why = sp.choose_budget(curve, latency_bound=0.25, floor=64)
-    assert budget == 64 and "max_num_seqs" in why
+    budget, why = sp.choose_budget(curve, latency_bound=0.25, decodes=64)
+    assert budget == 32 + 64 and "over the 250 ms" in why and "64 for max_num_seqs decodes" in why
 
 
-def test_floor_keeps_room_for_a_full_batch_of_decodes():
-    assert sp.choose_budget(curve_of(lambda n: 0.0001 * n), floor=64)[0] == 64
-    assert sp.choose_budget(curve_of(saturating), floor=64)[0] == 1024  # the floor only raises
+def test_a_full_batch_of_decodes_comes_on_top_of_the_prompt_chunk():
+    # the scheduler serves running streams first: the chunk a prompt gets is what is left
+    assert sp.choose_budget(curve_of(lambda n: 0.0001 * n), decodes=64)[0] == 32 + 64
+    assert sp.choose_budget(curve_of(saturating), decodes=64)[0] == 1024 + 64
+    # 2 Zen 4 cores, SmolLM2-135M bf16 (a start-up's probe): 64 tokens are within 5% of 128's cost
+    # per token; alone, a 64-token budget left a prompt 48 tokens a step beside 16 streams
+    zen4 = [(32, 0.0233), (64, 0.0407), (128, 0.0782), (256, 0.1588)]
+    budget, why = sp.choose_budget(zen4, decodes=64)
+    assert budget == 128 and why.startswith("a 64-token prompt chunk (cost per token within 5%")
+
+
+def test_the_latency_bound_counts_the_decodes_too():
+    cost = lambda n: 0.05 + 0.0015 * n  # noqa: E731  # per token: 32 3.06 ms, 64 2.28, 128 1.89
+    curve = curve_of(cost, sizes=(32, 64, 128))
+    assert sp.choose_budget(curve, latency_bound=0.3)[0] == 128  # alone, 128 tokens take 0.242 s
+    # 64 decodes on top: a 128-token chunk's step would take 0.363 s, over the bound; 64's 0.292 s is not
+    budget, why = sp.choose_budget(curve, latency_bound=0.3, decodes=64)
+    assert budget == 64 + 64 and "steps under 300 ms" in why
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -163,18 +178,18 @@ def test_explicit_budget_skips_measurement():
 def test_auto_measures_with_the_given_forward():
     clock = FakeClock(saturating)
     plan = sp.plan_step(EngineConfig(), kv=_Pool(), max_model_len=4096, forward=clock.forward, clock=clock)
-    assert plan.source == "measured" and plan.max_num_batched_tokens == 1024
+    assert plan.source == "measured" and plan.max_num_batched_tokens == 1024 + 64  # a chunk, and max_num_seqs decodes
     assert plan.measure_s == clock.now
     d = plan.describe()
     assert d["curve"][0] == {"tokens": 32, "step_ms": 8.2, "us_per_token": 256.25}
-    assert "step budget 1024 tokens (measured" in plan.log_line() and "32:8.2ms" in plan.log_line()
+    assert "step budget 1088 tokens (measured: a 1024-token prompt chunk" in plan.log_line() and "32:8.2ms" in plan.log_line()
 
 
-def test_floor_counts_speculative_tokens():
+def test_the_decodes_count_speculative_tokens():
     clock = FakeClock(lambda n: 0.0001 * n)
     cfg = EngineConfig(max_num_seqs=40, speculative_method="ngram", num_speculative_tokens=3)
     plan = sp.plan_step(cfg, kv=_Pool(), max_model_len=4096, forward=clock.forward, clock=clock)
-    assert plan.max_num_batched_tokens == 160
+    assert plan.max_num_batched_tokens == 32 + 40 * (1 + 3)
 
 
 def test_distributed_takes_the_default_without_measuring():
