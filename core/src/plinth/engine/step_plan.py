@@ -8,7 +8,8 @@ measured curve:
 * throughput: the smallest size whose cost per token is within
   ``SATURATION_TOLERANCE`` of the best measured one (bigger steps buy no
   more prefill throughput, only latency);
-* latency: never a size whose step took longer than ``STEP_LATENCY_BOUND_S``,
+* latency: never a chunk whose step, with the decodes below added at the
+  chunk's cost per token, would take longer than ``STEP_LATENCY_BOUND_S``,
   since a running stream waits for the whole step, prefill chunk included,
   before its next token;
 * room for a full batch of decodes on top: the budget is the chosen prompt
