@@ -35,7 +35,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 SHARED = Path(__file__).parent / "csrc" / "common.h"
 FUNCTIONS = [
     "paged_attention", "paged_decode_attention", "paged_qkv_attention", "rms_norm", "silu_and_mul", "rotary", "set_amx_attention",
-    "zeros_on_large_pages",
+    "zeros_on_large_pages", "take_schedule",
 ]
 BASE_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 
 #if defined(__linux__)
@@ -20,27 +21,67 @@
 
 namespace plinth {
 
-// Work items 0..n-1 handed out in order, one at a time, from a shared counter
-// to the OpenMP team: worker(take) runs once on each thread, and take()
-// returns its next item, or -1 when none is left. A static split (what
-// at::parallel_for does) gives each thread the same count of items, so the
-// team waits for the slowest half: items of unequal cost (attention tiles of
-// a prefill chunk beside decode rows) or a thread the OS preempts (the
-// server's event loop and the client share the cores) leave the others
-// spinning at the barrier. Here a thread that is ahead takes what is left.
-// Each item still runs whole on one thread, so results never depend on which
+// Work items 0..n-1 spread over the OpenMP team: worker(take) runs once on
+// each thread, and take() returns its next item, or -1 when none is left.
+// Each thread starts on its own contiguous run of items (thread t of T:
+// items tn/T up to (t+1)n/T) and takes them in order; a thread whose run is
+// done takes the back half of the largest run left (at least one item), and
+// goes on in order from there. In order, so a weight stream's software
+// prefetches, which run past the end of an item, land in the same thread's
+// next item instead of another thread's (where they were fetched twice and
+// left the next item's first lines cold). Taking what is left keeps the
+// point of a dynamic split: a static one (at::parallel_for) gives each thread
+// the same count, so the team waits for the slowest: items of unequal cost
+// (attention tiles of a prefill chunk beside decode rows) or a thread the OS
+// preempts (the server's event loop and the client share the cores). Each
+// item still runs whole on one thread, so results never depend on which
 // thread ran it or on the team's size.
+struct alignas(64) TakeRun {
+  std::atomic<uint64_t> span;  // first item << 32 | one past the last
+};
+
 template <typename Worker>
 inline void parallel_take(int64_t n, Worker&& worker) {
   if (n <= 0) return;
-  std::atomic<int64_t> next{0};
-  auto take = [&next, n]() -> int64_t {
-    const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-    return i < n ? i : -1;
-  };
+  TORCH_CHECK(n < (int64_t(1) << 31), "parallel_take: too many items");
   const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
-  // one index per thread (nested in a parallel region: worker runs once, inline)
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { worker(take); });
+  std::unique_ptr<TakeRun[]> runs(new TakeRun[threads]);
+  for (int64_t t = 0; t < threads; ++t)
+    runs[t].span.store(uint64_t(t * n / threads) << 32 | uint64_t((t + 1) * n / threads), std::memory_order_relaxed);
+  auto first = [](uint64_t s) { return int64_t(s >> 32); };
+  auto last = [](uint64_t s) { return int64_t(s & 0xffffffffu); };
+  // one index per thread (nested in a parallel region: every run on this thread, in turn)
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      auto take = [&, t]() -> int64_t {
+        std::atomic<uint64_t>& own = runs[t].span;
+        for (;;) {
+          uint64_t s = own.load(std::memory_order_relaxed);
+          while (first(s) < last(s))
+            if (own.compare_exchange_weak(s, s + (uint64_t(1) << 32), std::memory_order_relaxed)) return first(s);
+          // this run is done: the back half of the largest one left
+          int64_t victim = -1, most = 0;
+          for (int64_t v = 0; v < threads; ++v) {
+            const uint64_t sv = runs[v].span.load(std::memory_order_relaxed);
+            if (last(sv) - first(sv) > most) {
+              most = last(sv) - first(sv);
+              victim = v;
+            }
+          }
+          if (victim < 0) return -1;
+          uint64_t sv = runs[victim].span.load(std::memory_order_relaxed);
+          const int64_t a = first(sv), b = last(sv);
+          if (a >= b) continue;
+          const int64_t mid = a + (b - a) / 2;  // [mid, b): at least one item
+          if (!runs[victim].span.compare_exchange_strong(sv, uint64_t(a) << 32 | uint64_t(mid), std::memory_order_relaxed))
+            continue;
+          own.store(uint64_t(mid + 1) << 32 | uint64_t(b), std::memory_order_relaxed);
+          return mid;
+        }
+      };
+      worker(take);
+    }
+  });
 }
 
 // Software prefetches the compiler keeps. GCC 12 at -O1 and above dropped

@@ -16,10 +16,13 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -1096,4 +1099,26 @@ bool set_amx_attention(bool on) {
   (void)on;
 #endif
   return amx_attention;
+}
+
+// parallel_take's schedule, for its tests: row i = (the team thread that took
+// item i, how many times it was taken, its place in that thread's takes).
+// Items below `slow` each sleep `slow_us` microseconds, so the other threads
+// run out of their own items and take from that run.
+torch::Tensor take_schedule(int64_t n, int64_t slow, int64_t slow_us) {
+  auto out = torch::zeros({n, 3}, torch::kInt64);
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<std::atomic<int64_t>> times(n);
+  plinth::parallel_take(n, [&](auto&& take) {
+    const int64_t thread = at::get_thread_num();
+    int64_t place = 0;
+    for (int64_t i; (i = take()) >= 0;) {
+      o[i * 3] = thread;
+      o[i * 3 + 2] = place++;
+      times[i].fetch_add(1);
+      if (i < slow) std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
+    }
+  });
+  for (int64_t i = 0; i < n; ++i) o[i * 3 + 1] = times[i].load();
+  return out;
 }
