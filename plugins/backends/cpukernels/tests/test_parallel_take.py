@@ -13,12 +13,16 @@ import torch
 
 
 @pytest.fixture
-def two_threads():
+def torch_threads():
+    """use(n): torch's thread count for the test, set back after it; skips where n cannot run."""
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    if torch.get_num_threads() != 2:
-        pytest.skip("torch cannot run two threads here")
-    yield
+
+    def use(n: int) -> None:
+        torch.set_num_threads(n)
+        if torch.get_num_threads() != n:
+            pytest.skip(f"torch cannot run {n} threads here")
+
+    yield use
     torch.set_num_threads(before)
 
 
@@ -35,7 +39,8 @@ def runs_of(schedule: torch.Tensor, thread: int) -> list[list[int]]:
     return runs
 
 
-def test_each_item_once_in_contiguous_runs(native_kernels, two_threads):
+def test_each_item_once_in_contiguous_runs(native_kernels, torch_threads):
+    torch_threads(2)
     n = 1000
     schedule = native_kernels.take_schedule(n, 0, 0)
     assert schedule[:, 1].tolist() == [1] * n  # every item, exactly once
@@ -48,7 +53,8 @@ def test_each_item_once_in_contiguous_runs(native_kernels, two_threads):
     assert any(r[0] == n // 2 for r in runs)
 
 
-def test_a_slow_thread_leaves_its_items_to_the_other(native_kernels, two_threads):
+def test_a_slow_thread_leaves_its_items_to_the_other(native_kernels, torch_threads):
+    torch_threads(2)
     # thread 0's share (items 0..99) sleeps 2 ms an item, thread 1's (100..199)
     # is instant: thread 1 runs out first and takes from the back of thread 0's
     # run. Scheduling on a loaded machine can keep thread 1 off the CPU for a
@@ -63,17 +69,13 @@ def test_a_slow_thread_leaves_its_items_to_the_other(native_kernels, two_threads
             break
     assert len(stolen) >= 20, f"thread 1 took only {stolen} of the slow run"
     # what it took is the back of the run: it started at the middle of what was left
-    first = runs_of(schedule, 1)
-    assert any(r[0] >= n // 4 and r[0] < n // 2 for r in first), first
+    thread1_runs = runs_of(schedule, 1)
+    assert any(n // 4 <= r[0] < n // 2 for r in thread1_runs), thread1_runs
 
 
-def test_one_thread_takes_everything_in_order(native_kernels):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        schedule = native_kernels.take_schedule(50, 0, 0)
-    finally:
-        torch.set_num_threads(before)
+def test_one_thread_takes_everything_in_order(native_kernels, torch_threads):
+    torch_threads(1)
+    schedule = native_kernels.take_schedule(50, 0, 0)
     assert schedule[:, 0].tolist() == [0] * 50
     assert schedule[:, 1].tolist() == [1] * 50
     assert schedule[:, 2].tolist() == list(range(50))

@@ -59,20 +59,20 @@ inline void parallel_take(int64_t n, Worker&& worker) {
           uint64_t s = own.load(std::memory_order_relaxed);
           while (first(s) < last(s))
             if (own.compare_exchange_weak(s, s + (uint64_t(1) << 32), std::memory_order_relaxed)) return first(s);
-          // this run is done: the back half of the largest one left
+          // this run is done: the back half of the largest one left (as read
+          // here; the swap below fails and the search reruns if it moved since)
           int64_t victim = -1, most = 0;
+          uint64_t sv = 0;
           for (int64_t v = 0; v < threads; ++v) {
-            const uint64_t sv = runs[v].span.load(std::memory_order_relaxed);
-            if (last(sv) - first(sv) > most) {
-              most = last(sv) - first(sv);
+            const uint64_t sr = runs[v].span.load(std::memory_order_relaxed);
+            if (last(sr) - first(sr) > most) {
+              most = last(sr) - first(sr);
               victim = v;
+              sv = sr;
             }
           }
           if (victim < 0) return -1;
-          uint64_t sv = runs[victim].span.load(std::memory_order_relaxed);
-          const int64_t a = first(sv), b = last(sv);
-          if (a >= b) continue;
-          const int64_t mid = a + (b - a) / 2;  // [mid, b): at least one item
+          const int64_t a = first(sv), b = last(sv), mid = a + (b - a) / 2;  // [mid, b): at least one item
           if (!runs[victim].span.compare_exchange_strong(sv, uint64_t(a) << 32 | uint64_t(mid), std::memory_order_relaxed))
             continue;
           own.store(uint64_t(mid + 1) << 32 | uint64_t(b), std::memory_order_relaxed);
