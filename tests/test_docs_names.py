@@ -49,13 +49,20 @@ class Scope:
 
 
 def _class_scope(node: ast.ClassDef) -> Scope:
-    scope = Scope(bases=[b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
-                         if isinstance(b, (ast.Name, ast.Attribute))])
+    scope = Scope(
+        bases=[
+            b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, (ast.Name, ast.Attribute))
+        ]
+    )
     _fill(scope, node.body)
     for inner in ast.walk(node):  # attributes its methods set: self.events = ...
         if isinstance(inner, (ast.Assign, ast.AnnAssign)):
             for target in inner.targets if isinstance(inner, ast.Assign) else [inner.target]:
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                ):
                     scope.names.setdefault(target.attr, None)
     return scope
 
@@ -78,7 +85,10 @@ def _fill(scope: Scope, body: list[ast.stmt]) -> None:
             for alias in node.names:
                 scope.names[(alias.asname or alias.name).split(".")[0]] = None
         elif isinstance(node, (ast.If, ast.Try)):
-            _fill(scope, node.body + getattr(node, "orelse", []) + [s for h in getattr(node, "handlers", []) for s in h.body])
+            _fill(
+                scope,
+                node.body + getattr(node, "orelse", []) + [s for h in getattr(node, "handlers", []) for s in h.body],
+            )
 
 
 @dataclass
@@ -106,7 +116,7 @@ def _module_name(path: str) -> str | None:
     parts = Path(path).with_suffix("").parts
     if "src" not in parts:
         return None
-    parts = parts[parts.index("src") + 1:]
+    parts = parts[parts.index("src") + 1 :]
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
@@ -180,7 +190,7 @@ def _resolve_dotted(index: Index, parts: list[str]) -> str | None:
             return None  # an instance's attribute, or another library's name
         heads = [(parts[0], s) for s in index.classes[parts[0]]]
         rest = parts[1:]
-    for head, scope in heads:
+    for _head, scope in heads:
         current: Scope | None = scope
         for part in rest:
             if current is None:
@@ -200,7 +210,9 @@ def _problems(index: Index, doc: str) -> tuple[list[str], int]:
             continue
         span = re.sub(r"^plinth\.api\.(\w+)$", r"plinth.api.\1", span.rstrip(",;:"))
         if PATH.match(span) and "<" not in span:
-            if span.startswith(UPSTREAM) or not span.endswith(("/", ".py", ".cpp", ".md", ".txt", ".toml", ".yaml", ".sh")):
+            if span.startswith(UPSTREAM) or not span.endswith(
+                ("/", ".py", ".cpp", ".md", ".txt", ".toml", ".yaml", ".sh")
+            ):
                 continue
             checked += 1
             if not (span in index.files or any(f.endswith("/" + span) for f in index.files)):
@@ -215,7 +227,11 @@ def _problems(index: Index, doc: str) -> tuple[list[str], int]:
             checked += (missing is not None) or parts[0] in index.by_basename or parts[0] in index.classes
         elif m := CALL.match(span):
             checked += 1
-            if m.group(1) not in index.functions and m.group(1) not in dir(builtins) and m.group(1) not in index.classes:
+            if (
+                m.group(1) not in index.functions
+                and m.group(1) not in dir(builtins)
+                and m.group(1) not in index.classes
+            ):
                 problems.append(f"{doc}: `{span}`: no function {m.group(1)} is defined")
         elif re.fullmatch(r"plinth_(register_\w+|add_cli_arguments)", span):
             checked += 1
@@ -234,8 +250,10 @@ def test_every_named_thing_exists(index, doc):
 def test_a_wrong_name_is_found(index, tmp_path):
     """The check fails on the errors issue 46 found in these pages."""
     doc = tmp_path / "wrong.md"
-    doc.write_text("`startup.choose_a2a`, `distributed.build_a2a`, `plinth.api.NoSuchThing`, "
-                   "`engine/nosuch.py`, `plugins/models/nosuch/`, `no_such_function(x)`, `plinth_register_nothing`, "
-                   "`EngineConfig.no_such_field`; fine: `startup.check_a2a`, `ctx.ops`, `torch.distributed`\n")
+    doc.write_text(
+        "`startup.choose_a2a`, `distributed.build_a2a`, `plinth.api.NoSuchThing`, "
+        "`engine/nosuch.py`, `plugins/models/nosuch/`, `no_such_function(x)`, `plinth_register_nothing`, "
+        "`EngineConfig.no_such_field`; fine: `startup.check_a2a`, `ctx.ops`, `torch.distributed`\n"
+    )
     problems, _ = _problems(index, str(doc))
     assert len(problems) == 8, "\n".join(problems)
