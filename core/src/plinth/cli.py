@@ -194,6 +194,8 @@ def _details(row: dict[str, Any]) -> str:
             declared.setdefault(f"GGUF {','.join(caps['gguf_formats'])} kept in blocks: {caps['gguf_path']}", []).append(dtype)
         if caps.get("deterministic_default"):  # an unset --deterministic turns the mode on here
             declared.setdefault(f"deterministic by default ({caps['deterministic_why']})", []).append(dtype)
+        for line in caps.get("dropped_paths") or ():  # kernel paths the CPU claims that its probe refused
+            declared.setdefault(f"kernel path dropped: {line}", []).append(dtype)
     for what, dtypes in declared.items():
         text += f"; in {', '.join(dtypes)}, {what}"
     for dtype, caps in (row.get("deterministic_capabilities") or {}).items():

@@ -174,6 +174,11 @@ class BackendCapabilities:
                   on the serving benchmark on this kind of machine and dtype
     deterministic_why: that measurement or the reason it is off, for the
                   start-up log and `platform plugins`
+    dropped_paths: kernel paths the hardware claims that the backend's own
+                  start-up probe refused, each with why and what runs
+                  instead ("amx: probe died with SIGILL in linear_amx;
+                  using avx512-bf16 (vdpbf16ps)"), for the start-up log and
+                  `platform plugins`
     """
 
     fp8: str = ""
@@ -182,6 +187,7 @@ class BackendCapabilities:
     gguf_path: str = ""
     deterministic_default: bool = False
     deterministic_why: str = ""
+    dropped_paths: tuple[str, ...] = ()
 
 
 _P = inspect.Parameter

@@ -27,6 +27,8 @@ from plinth_plugin_cpukernels.gemm import (
     make_linear,
     pack_linear,
 )
+from plinth_plugin_cpukernels.kernels import compiler_missing
+from plinth_plugin_cpukernels.probe import ProbeResult, usable_isa
 from plinth_plugin_cpukernels.quant import (
     DENSE_COPY_SHARE,
     GEMM_MIN_ROWS,
@@ -49,7 +51,7 @@ VDPBF16PS_COST = (
 )
 NOT_MEASURED = "not measured under 5% without AVX512-BF16 (the fused GGUF kernel and the bf16 streaming kernel need it)"
 AMX_OFF = (
-    "off with AMX tiles left unused (PLINTH_CPU_AMX=0, or Linux does not grant them): "
+    "off with AMX tiles left unused (PLINTH_CPU_AMX=0, Linux does not grant them, or the start-up probe refused them): "
     "the vdpbf16ps kernel there runs at a fraction of oneDNN's AMX GEMMs from 8 rows up"
 )
 #: oneDNN runs bfloat16 GEMMs only with one of these (torch checks the same
@@ -58,11 +60,27 @@ AMX_OFF = (
 BF16_GEMM_ISA = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",), ("bf16",))
 
 
-def accelerator_isa(ctx: SelectionContext) -> tuple[str, ...] | None:
-    """The accelerator's instruction sets, or None when none is chosen yet."""
+def claimed_isa(ctx: SelectionContext) -> tuple[str, ...] | None:
+    """The instruction sets the accelerator reports, or None when none is chosen yet."""
     if ctx.accelerator is None:
         return None
     return tuple(getattr(ctx.accelerator.info(), "isa", ()) or ())
+
+
+def kernel_probe(ctx: SelectionContext) -> ProbeResult | None:
+    """What the start-up probes left of the claimed instruction sets (probe.py:
+    each kernel path run once in a child process; cached per build and machine)."""
+    isa = claimed_isa(ctx)
+    if isa is None or compiler_missing():
+        return None
+    return usable_isa(isa)
+
+
+def accelerator_isa(ctx: SelectionContext) -> tuple[str, ...] | None:
+    """The instruction sets the kernels are built for: the accelerator's,
+    less the paths its probes refused; None when none is chosen yet."""
+    probed = kernel_probe(ctx)
+    return probed.isa if probed is not None else claimed_isa(ctx)
 
 
 def bf16_gemm_missing(isa: tuple[str, ...]) -> str | None:
@@ -95,7 +113,7 @@ def amx_attention(isa: tuple[str, ...]) -> bool:
     return os.environ.get(AMX_ATTENTION_ENV, "").strip() == "1" and amx_tiles(isa)
 
 
-def deterministic_default(isa: tuple[str, ...], dtype: Any) -> tuple[bool, str]:
+def deterministic_default(isa: tuple[str, ...], dtype: Any, claimed: tuple[str, ...] | None = None) -> tuple[bool, str]:
     """Whether deterministic mode is on by default here, and the measurement
     behind it (docs/benchmarks.md, "Deterministic mode's cost"): on with
     bfloat16 where the linears run batch-invariant at the default's speed,
@@ -104,12 +122,13 @@ def deterministic_default(isa: tuple[str, ...], dtype: Any) -> tuple[bool, str]:
     the rest: gemm.py); off on CPUs with AMX whose tiles stay unused (their
     vdpbf16ps is slow), and elsewhere (AVX-512F without BF16, AVX2, other
     CPUs), where the streaming kernel replaces oneDNN for large batches
-    unmeasured."""
+    unmeasured. ``claimed``: what the CPU reports, where ``isa`` is what its
+    probes left (AMX claimed but refused counts as AMX left unused)."""
     if str(dtype) != "torch.bfloat16":
         return False, "measured in bfloat16 only (float32 is off by default)"
     if amx_tiles(isa):
         return True, AMX_COST
-    if {"amx_tile", "amx_bf16"} <= set(isa):
+    if {"amx_tile", "amx_bf16"} <= set(claimed or isa):
         return False, AMX_OFF
     if linear_kernel_path(isa) == VDPBF16PS_PATH:
         return True, VDPBF16PS_COST
@@ -125,7 +144,8 @@ class CPUKernelsBackend(Backend):
         from plinth_plugin_cpukernels.kernels import compiler_missing
 
         reasons = []
-        if ctx.accelerator is not None and getattr(ctx.accelerator, "device_type", "") != "cpu":
+        on_cpu = ctx.accelerator is not None and getattr(ctx.accelerator, "device_type", "") == "cpu"
+        if ctx.accelerator is not None and not on_cpu:
             reasons.append(f"runs on CPUs only, not {ctx.accelerator.device_type}")
         if importlib.util.find_spec("torch") is None:
             reasons.append("torch is not installed")
@@ -139,6 +159,10 @@ class CPUKernelsBackend(Backend):
         missing = compiler_missing()
         if missing:
             reasons.append(missing)
+        elif on_cpu and not reasons:  # its kernels would be built: the probes say whether any path runs
+            probed = kernel_probe(ctx)
+            if probed is not None and probed.error:
+                reasons.append(probed.error)
         return reasons
 
     @classmethod
@@ -152,11 +176,15 @@ class CPUKernelsBackend(Backend):
     @classmethod
     def capabilities(cls, ctx: SelectionContext) -> BackendCapabilities:
         isa = accelerator_isa(ctx)
-        if isa is None or "linear" in cls.unsupported_ops(ctx):
+        if isa is None:
             return BackendCapabilities()
+        probed = kernel_probe(ctx)
+        dropped = probed.dropped if probed is not None else ()
+        if "linear" in cls.unsupported_ops(ctx):
+            return BackendCapabilities(dropped_paths=dropped)
         integer = f"integer dot products on the blocks, {gguf_kernel_path(isa)}"
-        on, why = deterministic_default(isa, ctx.dtype)
-        mode = {"deterministic_default": on, "deterministic_why": why}
+        on, why = deterministic_default(isa, ctx.dtype, claimed_isa(ctx))
+        mode = {"deterministic_default": on, "deterministic_why": why, "dropped_paths": dropped}
         amx = amx_tiles(isa)
         if not ctx.deterministic:
             if str(ctx.dtype) == "torch.bfloat16" and amx:  # the fused records on AMX tiles beat the integer kernel

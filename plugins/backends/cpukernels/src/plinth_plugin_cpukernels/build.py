@@ -1,6 +1,7 @@
 """`python -m plinth_plugin_cpukernels.build`: compile the kernels now for the
-instruction sets the chosen accelerator reports (make setup runs it, so the
-first `platform serve` does not wait for the compiler)."""
+instruction sets the chosen accelerator reports, and run their start-up
+probes (make setup runs it, so the first `platform serve` waits for neither
+the compiler nor a probe)."""
 
 import sys
 import time
@@ -10,6 +11,7 @@ def main() -> int:
     from plinth.api import load_accelerator
 
     from plinth_plugin_cpukernels.kernels import compiler_missing, isa_cflags, load_kernels
+    from plinth_plugin_cpukernels.probe import usable_isa
 
     missing = compiler_missing()
     if missing:
@@ -19,8 +21,16 @@ def main() -> int:
     if accelerator.device_type != "cpu":
         print(f"cpukernels: not built: the accelerator is {accelerator.device_type}, not cpu")
         return 0
-    isa = accelerator.info().isa
     t = time.perf_counter()
+    # each kernel path the CPU claims runs once in a child process (probe.py); what
+    # dies or disagrees is dropped here, once per machine and build, not at a first request
+    probed = usable_isa(tuple(accelerator.info().isa))
+    for line in probed.dropped:
+        print(f"cpukernels: dropped {line}", file=sys.stderr)
+    if probed.error:
+        print(f"cpukernels: not usable here: {probed.error}", file=sys.stderr)
+        return 0  # the plugin then reports itself unavailable; the torch backend serves
+    isa = probed.isa
     load_kernels(isa)
     from plinth_plugin_cpukernels.quant import load_quant_kernels
 

@@ -127,6 +127,35 @@ def compiler_missing() -> str | None:
     return None
 
 
+#: the C++ standard torch's extension builds use (torch 2.13: c++20)
+CXX_STD = "-std=c++20"
+
+
+def compile_assembly(source: Path, isa: Iterable[str], *, extra_flags: Iterable[str] = (), machine: str | None = None) -> str:
+    """The assembly the compiler makes of ``source`` (with ``SHARED``) for
+    these extensions, with the flags ``load_extension`` builds it with, plus
+    ``extra_flags``; nothing is loaded, so it works for extensions this CPU
+    lacks (the AMX assembly test reads it)."""
+    import subprocess
+    import sysconfig
+    import tempfile
+
+    from torch.utils.cpp_extension import include_paths
+
+    flags = BASE_CFLAGS + isa_cflags(isa, machine) + list(extra_flags)
+    includes = [f"-isystem{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "unit.cpp"
+        text.write_text("\n".join(["#include <torch/extension.h>", SHARED.read_text(), source.read_text()]))
+        out = Path(tmp) / "unit.s"
+        cxx = os.environ.get("CXX", "c++")
+        cmd = [cxx, "-S", CXX_STD, "-fPIC", "-DTORCH_EXTENSION_NAME=assembly", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, *flags, str(text), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise PluginError(f"cpukernels: {' '.join(cmd[:3])} ... failed: {done.stderr[-2000:]}")
+        return out.read_text()
+
+
 def load_kernels(isa: Iterable[str], verbose: bool = False) -> Any:
     """The compiled kernel module for these extensions (built once per set and source)."""
     return load_extension(SOURCE, FUNCTIONS, isa, verbose=verbose)

@@ -13,6 +13,8 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #if defined(__AVX512F__)
@@ -83,6 +85,41 @@ inline void parallel_take(int64_t n, Worker&& worker) {
     }
   });
 }
+
+#if defined(__AMX_TILE__) && defined(__linux__)
+// ---- AMX tiles: the configuration, loaded whole, and the permission
+// The 64 bytes LDTILECFG reads (palette 1): rows and bytes a row per tile.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+// Loads cfg into this thread's tile unit. Not _tile_loadconfig: GCC 12 gives
+// its asm an 8-byte memory operand, so the compiler took the other 56 bytes
+// of a stack config for never read and deleted their stores (an Intel Xeon
+// then faulted at ldtilecfg, #GP, or at the first tile instruction, #UD).
+// This operand is the whole struct, so every byte is stored before the load;
+// always inlined, so the load sits in the function that fills the config
+// (tests/test_amx_assembly.py reads the compiled code for it).
+__attribute__((always_inline)) inline void load_tile_config(const TileConfig& cfg) {
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// Back to the init state after a thread's last tile instruction, so nothing
+// on the thread (or a later kernel that has not configured) meets stale tiles.
+__attribute__((always_inline)) inline void release_tiles() { __asm__ volatile("tilerelease" ::: "memory"); }
+
+// Whether Linux grants this process the tile registers: ARCH_REQ_XCOMP_PERM
+// (0x1023) for XFEATURE_XTILEDATA (18); process-wide, idempotent.
+inline bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+#endif
 
 // Software prefetches the compiler keeps. GCC 12 at -O1 and above dropped
 // every _mm_prefetch of the attention kernel (the binary had none,

@@ -556,20 +556,12 @@ __attribute__((noinline)) void attend_tile(const float* qf, int64_t qs, T* out, 
 // probabilities outside a row's range sit in the same places for every tile.
 // Not bit-identical to attend_tile (other orders): a process takes one of the
 // two for every call (set_amx_attention).
-struct alignas(64) AttentionTiles {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tiles 0-3: C, 4: A (hi part), 5: A (lo part), rows each; 6-7: B, 16 pair lines
 inline void attention_tiles_configure(int rows) {
-  AttentionTiles cfg;
+  plinth::TileConfig cfg;
   for (int t = 0; t < 6; ++t) { cfg.rows[t] = uint8_t(rows); cfg.colsb[t] = 64; }
   for (int t = 6; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
+  plinth::load_tile_config(cfg);
 }
 
 // C tiles 0..NE-1 += A (4: hi, 5: lo when lo) times the B tiles at b, b + bs, ... (elements)
@@ -756,11 +748,6 @@ __attribute__((noinline)) void attend_tile_amx(const float* qf, int64_t qs, uint
   }
 }
 
-bool amx_attention_granted() {
-  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): process-wide, idempotent
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
 #endif
 
 // whether paged attention runs bf16 pages on AMX tiles (set_amx_attention)
@@ -833,6 +820,9 @@ void paged_attention_impl(const float* qf_all, const T* kp, const T* vp, T* op, 
 #endif
       attend_tile<Vec8, T>(qf, Hq * D, out, Hq * Dv, kh, vh, table, lo, hi, R, G, D, Dv, ps, sc, zrow.data());
     }
+#ifdef PLINTH_AMX_ATTENTION
+    if (sc.tile_rows) plinth::release_tiles();  // this thread configured them (attend_tile_amx)
+#endif
   });
 }
 
@@ -1094,7 +1084,7 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos
 // setting per process: the two paths round differently.
 bool set_amx_attention(bool on) {
 #if defined(PLINTH_AMX_ATTENTION)
-  amx_attention = on && amx_attention_granted();
+  amx_attention = on && plinth::amx_granted();
 #else
   (void)on;
 #endif

@@ -571,21 +571,13 @@ inline void fused_group(const uint16_t* xb, int mr, const uint8_t* w, int64_t ws
 // vdpbf16ps kernel: few rows stay on the tiles.)
 // Linux grants the tile registers on request (arch_prctl, once per process).
 #if defined(PLINTH_LIN_AMX)
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tiles 0-3: C (4 blocks of 16 outputs), 4: A (rows x 32 k), 5-7: B
 inline void amx_configure(int rows) {
-  TileConfig cfg;
+  plinth::TileConfig cfg;
   for (int t = 0; t < 4; ++t) { cfg.rows[t] = uint8_t(rows); cfg.colsb[t] = 64; }
   cfg.rows[4] = uint8_t(rows); cfg.colsb[4] = 64;
   for (int t = 5; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
+  plinth::load_tile_config(cfg);
 }
 
 // C tiles 0..NT-1 += the A tile (4) times NT B tiles of 16 pair lines at b, b + bstride, ... (elements);
@@ -658,11 +650,6 @@ inline void amx_fused_blocks(const uint16_t* x, int64_t ldx_bytes, const uint8_t
   amx_store_c<NT>(c);
 }
 
-bool amx_granted() {
-  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): process-wide, idempotent
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
 #endif
 
 }  // namespace
@@ -790,7 +777,7 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor packed, int64_t N, int
 // whether linear_amx runs here: an AMX build on a CPU and kernel that grant the tiles
 bool linear_amx_available() {
 #if defined(PLINTH_LIN_AMX)
-  return amx_granted();
+  return plinth::amx_granted();
 #else
   return false;
 #endif
@@ -804,7 +791,7 @@ namespace {
 template <class Blocks>
 torch::Tensor amx_linear_rows(const char* name, torch::Tensor x, int64_t N, int64_t K, const c10::optional<torch::Tensor>& bias,
                               Blocks&& blocks) {
-  TORCH_CHECK(amx_granted(), name, ": the kernel does not grant this process AMX tiles");
+  TORCH_CHECK(plinth::amx_granted(), name, ": the kernel does not grant this process AMX tiles");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16, name, ": x must be bfloat16 [M, K]");
   TORCH_CHECK(K % 32 == 0, name, ": K must be a multiple of 32");
   const int64_t M = x.size(0), NB = (N + BLK - 1) / BLK;
@@ -832,7 +819,7 @@ torch::Tensor amx_linear_rows(const char* name, torch::Tensor x, int64_t N, int6
         store_tile(c, int(std::min<int64_t>(rows, M - m0)), nt * 16, g * NT * BLK, N, bptr, yp + m0 * N, N);
       }
     }
-    _tile_release();
+    plinth::release_tiles();
   });
   return y;
 }
