@@ -15,12 +15,16 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import sys
 
 import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAKE = str(ROOT / "plugins/a2a/deepep/tests/fake")
+sys.path.insert(0, str(ROOT / "plugins/a2a/deepep/tests"))
+import fake_nccl  # noqa: E402  (a scripted host: NCCL 2.30.4 mapped for real, an RDMA device, IBGDA)
+
 VOCAB = 256
 KW = dict(device="cpu", backend="torch", dtype="bfloat16", num_pages=160, load_progress=False, max_num_seqs=8,
           max_num_batched_tokens=640, max_model_len=1024)  # fmt: skip
@@ -83,6 +87,7 @@ def test_engine_with_deepep_matches_one_process(model_dir, generation, monkeypat
     want, want_logprobs = single(model_dir)
     monkeypatch.syspath_prepend(FAKE)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAKE, os.environ.get("PYTHONPATH", "")]))  # the spawned rank
+    fake_nccl.use(monkeypatch, fake_nccl.scripted_host())  # the spawned rank too (LD_PRELOAD)
     monkeypatch.setattr(deepep_a2a, "DEVICE_TYPES", ("cuda", "cpu"))  # the launcher's check: the fake runs on CPU
     llm = LLM(model_dir, ep=2, a2a="deepep", plugin_options={"deepep_generation": generation}, **KW)
     try:
@@ -103,4 +108,6 @@ def test_engine_with_deepep_matches_one_process(model_dir, generation, monkeypat
     else:
         assert [kw for name, kw in deep_ep.CALLS if name == "ElasticBuffer"][0]["num_max_tokens_per_rank"] == 640
         assert max(kw["tokens"] for name, kw in deep_ep.CALLS if name == "elastic_dispatch") >= 600
+        # decode steps dispatch without a host sync, bounded by max_num_seqs (elastic.py:961)
+        assert any(not kw["cpu_sync"] and kw["num_max"] == 8 for name, kw in deep_ep.CALLS if name == "elastic_dispatch")
     deep_ep.CALLS.clear()

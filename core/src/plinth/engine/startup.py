@@ -406,17 +406,39 @@ class Started:
         )  # fmt: skip
 
 
-def check_a2a(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
-    """With ep > 1, the a2a plugin judged against the planned layout in the
-    launcher, before anything loads or any rank starts (a named one fails
-    with every candidate's reasons); the config returned names the one
-    chosen, which every rank builds (``build_a2a``)."""
+def a2a_unused(config: EngineConfig, layout: PlannedLayout) -> str:
+    """Why this run moves no MoE token between ranks ("" when it does): the
+    a2a plugin is then neither built nor needed."""
     if config.ep == 1:
+        return "ep=1: every rank holds every expert, no token moves between ranks"
+    if layout.hidden_size and not layout.num_experts:
+        return "the model has no routed experts (a dense model)"
+    return ""
+
+
+def check_a2a(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
+    """With ep > 1 on an MoE model, the a2a plugin judged against the planned
+    layout in the launcher, before anything loads or any rank starts (a named
+    one fails with every candidate's reasons); the config returned names the
+    one chosen, which every rank builds (``build_a2a``). An a2a named by
+    ``--a2a`` that this run will not use is reported, with why, and with
+    what its check() says (it may not run here either)."""
+    if config.ep == 1 and config.a2a == "auto":
         return config
+    layout = planned_layout(config, registry)
     ctx = SelectionContext(
-        tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=planned_layout(config, registry),
-        deterministic=bool(config.deterministic),
+        tp=config.tp, ep=config.ep, options=dict(config.plugin_options), layout=layout, deterministic=bool(config.deterministic),
     )  # fmt: skip
+    unused = a2a_unused(config, layout)
+    if unused:
+        if config.a2a != "auto":
+            entry = registry.get("a2a", config.a2a)
+            reasons = entry.evaluate(ctx)
+            log.warning(
+                "a2a %s (named by --a2a) is not used: %s%s", entry.label(), unused,
+                f" (nor could it run here: {'; '.join(reasons)})" if reasons else "",
+            )  # fmt: skip
+        return config
     entry = registry.select("a2a", config.a2a, ctx)
     log.info("a2a: %s for %s", entry.label(), ctx.layout)
     return dataclasses.replace(config, a2a=entry.name)
@@ -486,7 +508,7 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
     a2a_bytes = 0
     if groups is not None:
         a2a = None
-        if groups.layout.ep > 1:
+        if groups.layout.ep > 1 and model_cfg.num_experts:  # a dense model moves no token (check_a2a said so)
             a2a, a2a_bytes = build_a2a(config, registry, ctx, groups, model_cfg, first)
         parallel = dict(
             tp_rank=groups.tp_rank, tp_size=groups.layout.tp, tp_group=groups.tp_group,

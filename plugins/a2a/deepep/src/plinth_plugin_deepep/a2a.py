@@ -24,20 +24,28 @@ V2 ``deep_ep.ElasticBuffer``
     the step token budget per rank: the largest dispatch a step can make.
 
 ``check`` judges the planned layout (``ctx.layout``) in the launcher, before
-any rank exists; the buffers are made by ``reserve_buffers`` in every rank
-at start-up, before the weights load. deep_ep is imported only when this
-plugin is constructed, never by check().
+any rank exists, and what DeepEP needs of the host (``host``: its API, one
+NCCL, V2's NCCL / torch / GIN, IBGDA for the low-latency kernels); the
+buffers are made by ``reserve_buffers`` in every rank at start-up, before
+the weights load. deep_ep is imported only when this plugin is constructed,
+never by check(). ``auto`` takes V2 only where its prerequisites hold and the
+low-latency kernels only where IBGDA does, and says why when it does not.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from plinth.api import AllToAll, DispatchedTokens, PluginError, SelectionContext
+
+from plinth_plugin_deepep import host
+
+log = logging.getLogger("plinth.a2a.deepep")
 
 #: ep sizes the legacy normal kernels have a Config for (legacy.py:246-259, `assert num_ranks in config_map`)
 LEGACY_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
@@ -79,11 +87,44 @@ def _capability(text: str) -> tuple[int, int] | None:
     return int(digits[:-1]), int(digits[-1])
 
 
-def _generation(options: Any, version: str | None) -> str:
+def _generation(options: Any, version: str | None, v2_why: list[str]) -> str:
+    """The generation to run: as asked, or (auto) V2 where DeepEP is 2.x and
+    V2's prerequisites hold (``v2_why`` empty), else the legacy Buffer."""
     gen = str(options.get("deepep_generation", "auto"))
     if gen == "auto":
-        return "v2" if _major(version) >= 2 else "legacy"
+        return "v2" if _major(version) >= 2 and not v2_why else "legacy"
     return gen
+
+
+@dataclass
+class HostReport:
+    """What the host probes found (``host``), for check() and the ranks."""
+
+    problems: list[str]  # why deep_ep cannot run at all (its API, its NCCL assertion)
+    v2_why: list[str]  # why V2 cannot run
+    low_latency_why: list[str]  # why the legacy low-latency kernels cannot run (IBGDA)
+
+
+def agreed_report(mine: HostReport, group: Any) -> HostReport:
+    """Every rank's reasons, each once: the ranks must all take the same
+    generation and the same kernels (or wait on each other forever), and
+    their hosts may differ (nodes)."""
+    import torch.distributed as dist
+
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, mine, group=group)
+
+    def union(field: str) -> list[str]:
+        return list(dict.fromkeys(why for r in reports for why in getattr(r, field)))
+
+    return HostReport(union("problems"), union("v2_why"), union("low_latency_why"))
+
+
+def host_report(ep: int) -> HostReport:
+    pkg = host.package_dir()
+    problems = host.api_problems(pkg) if pkg is not None else []
+    nccl_why, nccl = host.nccl_problems(pkg)
+    return HostReport(problems + nccl_why, host.v2_problems(ep, nccl), host.ibgda_problems())
 
 
 def _qp_depth() -> int:
@@ -126,7 +167,7 @@ class DeepEPAllToAll(AllToAll):
         installed = importlib.util.find_spec("deep_ep") is not None
         version = _deep_ep_version()
         if not installed:
-            reasons.append("deep_ep is not installed (DeepEP builds from source with CUDA, NCCL and NVSHMEM: pip install deep-ep on the GPU machine)")
+            reasons.append(f"deep_ep is not installed ({host.INSTALL_HINT})")
         options = ctx.options
         generation = str(options.get("deepep_generation", "auto"))
         if generation not in ("auto", "legacy", "v2"):
@@ -149,8 +190,12 @@ class DeepEPAllToAll(AllToAll):
             cap = _capability(plan.capability)
             if cap is None or cap < MIN_CAPABILITY:
                 reasons.append(f"needs CUDA SM90+ (this GPU is {plan.capability or 'of unknown capability'})")
-        gen = _generation(options, version)
         ep, hidden, experts = plan.ep, plan.hidden_size, plan.num_experts
+        found = host_report(ep) if installed and plan.device_type in DEVICE_TYPES else HostReport([], [], [])
+        reasons += found.problems
+        if generation == "v2":
+            reasons += found.v2_why
+        gen = _generation(options, version, found.v2_why)
         if experts and experts % ep:
             reasons.append(f"{experts} experts do not split over ep {ep} (buffer.hpp: num_experts % num_ranks == 0)")
         if hidden and (hidden * 2) % 16:
@@ -165,7 +210,7 @@ class DeepEPAllToAll(AllToAll):
             if experts and experts // ep > LEGACY_MAX_LOCAL_EXPERTS:
                 reasons.append(f"{experts // ep} local experts are over {LEGACY_MAX_LOCAL_EXPERTS} (buffer.hpp:469)")
             if _low_latency_wanted(options) == "on":
-                reasons += low_latency_limits(hidden, plan.top_k, experts, plan.max_num_seqs)
+                reasons += low_latency_limits(hidden, plan.top_k, experts, plan.max_num_seqs) + found.low_latency_why
         return reasons
 
     def __init__(self, ctx: SelectionContext, *, group: Any, num_experts: int, hidden_size: int) -> None:
@@ -181,9 +226,12 @@ class DeepEPAllToAll(AllToAll):
         self.rank = dist.get_rank(group)
         if num_experts % self.size:
             raise PluginError(f"deepep: {num_experts} experts do not split over {self.size} ranks")
-        gen = _generation(ctx.options, getattr(deep_ep, "__version__", None) or _deep_ep_version())
+        found = agreed_report(host_report(self.size), group)
+        gen = _generation(ctx.options, getattr(deep_ep, "__version__", None) or _deep_ep_version(), found.v2_why)
         if gen == "v2" and not hasattr(deep_ep, "ElasticBuffer"):
             raise PluginError("deepep: V2 (ElasticBuffer) is not in the installed deep_ep")
+        if gen == "legacy" and found.v2_why and self.rank == 0:
+            log.info("deepep: the legacy Buffer, not V2 (ElasticBuffer): %s", "; ".join(found.v2_why))
         self.generation = gen
         self.num_topk = plan.top_k
         #: the largest dispatch a step can make on a rank (the step token budget): sizes the V2 buffer
@@ -191,9 +239,11 @@ class DeepEPAllToAll(AllToAll):
         #: the most tokens of a decode-only step on a rank: sizes the low-latency buffer
         self.max_decode_tokens = plan.max_num_seqs
         #: decode steps on the low-latency kernels (legacy only), or the normal ones where the shape rules them out
-        why_not = low_latency_limits(hidden_size, plan.top_k, num_experts, plan.max_num_seqs)
+        why_not = low_latency_limits(hidden_size, plan.top_k, num_experts, plan.max_num_seqs) + found.low_latency_why
         self.low_latency = gen == "legacy" and _low_latency_wanted(ctx.options) != "off" and not why_not
         self.why_not_low_latency = "; ".join(why_not)
+        if gen == "legacy" and _low_latency_wanted(ctx.options) == "auto" and why_not and self.rank == 0:
+            log.info("deepep: decode steps take the normal kernels, not the low-latency ones: %s", self.why_not_low_latency)
         self._buffer: Any = None
         self._dirty_for_low_latency = False  # normal kernels ran since the low-latency part was last cleaned
 
@@ -202,6 +252,10 @@ class DeepEPAllToAll(AllToAll):
     def reserve_buffers(self) -> int:
         deep_ep = self.deep_ep
         if self.generation == "v2":
+            # V2 reuses the group's NCCL communicator (deep_ep/utils/comm.py:61-64), which NCCL
+            # creates at the group's first collective unless init_process_group had a device_id:
+            # before one, _comm_ptr() is 0. One collective makes it, whatever the caller did.
+            self._warm_group()
             self._buffer = deep_ep.ElasticBuffer(
                 self.group, num_max_tokens_per_rank=self.max_step_tokens, hidden=self.hidden_size, num_topk=self.num_topk,
                 use_fp8_dispatch=False,
@@ -221,6 +275,14 @@ class DeepEPAllToAll(AllToAll):
         self._buffer = Buffer(self.group, nvl, rdma, **kw)
         return int(nvl + rdma)
 
+    def _warm_group(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        nccl = dist.get_backend(self.group) == "nccl"  # gloo: the fake's CPU tests
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+
     # ---- dispatch / combine ---------------------------------------------------------------
 
     def dispatch(self, hidden: Any, topk_ids: Any, topk_weights: Any, *, decode: bool) -> tuple[DispatchedTokens, _Handle]:
@@ -232,7 +294,7 @@ class DeepEPAllToAll(AllToAll):
         idx = topk_ids.to(torch.int64).contiguous()  # deep_ep.topk_idx_t
         weights = topk_weights.to(torch.float32).contiguous()
         if self.generation == "v2":
-            return self._dispatch_v2(x, idx, weights, hidden.dtype)
+            return self._dispatch_v2(x, idx, weights, hidden.dtype, decode)
         if decode and self.low_latency:
             # every rank must take the same kernels or both sides wait forever:
             # the engine agrees on `decode` across ranks, and a decode-only step
@@ -261,19 +323,37 @@ class DeepEPAllToAll(AllToAll):
         counts = torch.tensor(counts, dtype=torch.int64).to(recv_x.device, non_blocking=True)
         return DispatchedTokens("flat", recv_x.to(hidden.dtype), counts, recv_idx, recv_weights), _Handle("normal", handle, hidden.dtype)
 
-    def _dispatch_v2(self, x: Any, idx: Any, weights: Any, dtype: Any) -> tuple[DispatchedTokens, _Handle]:
+    def _dispatch_v2(self, x: Any, idx: Any, weights: Any, dtype: Any, decode: bool) -> tuple[DispatchedTokens, _Handle]:
         import torch
 
-        if x.shape[0] > self.max_step_tokens:  # upstream would assert (elastic buffer.hpp:756): say why instead
+        # a decode step (agreed over the group) has at most max_num_seqs tokens a rank: dispatched
+        # with that bound and no host sync; a prefill step syncs, as upstream does by default
+        # (elastic.py:961), so that the received tensors are as long as what arrived, not the
+        # worst case of the step budget x ranks (elastic buffer.hpp:1058-1064)
+        cap = self.max_decode_tokens if decode else self.max_step_tokens
+        if x.shape[0] > cap:  # upstream would assert (elastic buffer.hpp:756): say why instead
+            what = "decode step" if decode else "step"
             raise PluginError(
-                f"deepep: a step dispatches {x.shape[0]} tokens on this rank, more than the step token budget "
-                f"{self.max_step_tokens} the V2 buffer was sized for"
+                f"deepep: a {what} dispatches {x.shape[0]} tokens on this rank, more than the {cap} "
+                f"({'--max-num-seqs' if decode else 'the step token budget'}) the V2 dispatch is bounded by"
             )
         recv_x, recv_idx, recv_weights, handle, _event = self._buffer.dispatch(
-            x, topk_idx=idx, topk_weights=weights, num_experts=self.num_experts, num_max_tokens_per_rank=self.max_step_tokens,
+            x, topk_idx=idx, topk_weights=weights, num_experts=self.num_experts, num_max_tokens_per_rank=cap,
+            do_cpu_sync=not decode,
         )  # fmt: skip
-        n = int(handle.num_recv_tokens)  # exact: dispatch synced with the host (do_cpu_sync defaults to True)
-        counts = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64).to(recv_x.device, non_blocking=True)
+        # per local expert, from the device prefix sum (the host list is empty without a sync)
+        psum = handle.psum_num_recv_tokens_per_expert.to(torch.int64)
+        counts = torch.diff(psum, prepend=psum.new_zeros(1))
+        if decode:
+            # rows past the received ones are the worst case's slack, uninitialised: no expert for
+            # them (-1) and no weight, read on the device (psum per scaleup rank ends at the total)
+            rows = recv_x.shape[0]
+            arrived = handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
+            valid = (torch.arange(rows, device=recv_x.device) < arrived).unsqueeze(1)
+            got = DispatchedTokens("flat", recv_x.to(dtype), counts, torch.where(valid, recv_idx, -1),
+                                   torch.where(valid, recv_weights, 0.0))  # fmt: skip
+            return got, _Handle("v2", handle, dtype, rows=rows)
+        n = int(handle.num_recv_tokens)  # exact: this dispatch synced with the host
         got = DispatchedTokens("flat", recv_x[:n].to(dtype), counts, recv_idx[:n], recv_weights[:n])
         return got, _Handle("v2", handle, dtype, rows=recv_x.shape[0])
 

@@ -14,10 +14,28 @@ What a CPU fake cannot be faithful to, and says so: ``is_cuda`` asserts
 makes loud: low-latency kernels on a buffer dirtied by normal kernels
 without ``clean_low_latency_buffer`` (legacy.py:540-543 says it is "vital"),
 and a second NVSHMEM initialisation in one process (fails across nodes).
-Every call is recorded in ``CALLS`` for the tests."""
+Every call is recorded in ``CALLS`` for the tests.
+
+At import, as upstream: the NCCL check of ``deep_ep/__init__.py:46-68``
+(``check_nccl_so``: every ``libnccl`` in ``/proc/self/maps`` one file, byte-
+equal to the first ``libnccl.so*`` under ``find_nccl_root()``/lib, which is
+``EP_NCCL_ROOT_DIR`` or the ``nvidia-nccl`` distribution,
+``deep_ep/utils/find_pkgs.py:21-68``; skipped with ``EP_SUPPRESS_NCCL_CHECK``),
+then the extension's load (``init_jit``, __init__.py:71-85), which fails on an
+NCCL older than the 2.30.4 DeepEP 2.x is built against (README.md
+"Requirements": its device-communicator symbols are missing). CPU tests load
+a scripted ``libnccl.so`` into the process for real (tests/fake_nccl.py).
+``ElasticBuffer`` takes the group's communicator as ``get_nccl_comm_handle``
+does (``deep_ep/utils/comm.py:61-64``: ``_comm_ptr()``, 0 before NCCL made
+one) and fails on a null one as NCCL does; with more than one rank it
+asserts NCCL GIN unless ``EP_DISABLE_GIN`` (csrc/kernels/backend/nccl.cu:86-90),
+GIN being there when the host has an RDMA device."""
 
 from __future__ import annotations
 
+import ctypes
+import filecmp
+import glob
 import math
 import os
 from typing import Any
@@ -26,6 +44,66 @@ import torch
 import torch.distributed as dist
 
 __version__ = "2.1.0"
+
+
+def _find_nccl_root() -> str:
+    """find_pkgs.py:21-54 (``EP_NCCL_ROOT_DIR`` / ``NCCL_DIR``, else the nvidia-nccl distribution)."""
+    for name in ("EP_NCCL_ROOT_DIR", "NCCL_DIR"):
+        if name in os.environ:
+            return os.environ[name]
+    import importlib.metadata
+
+    for d in importlib.metadata.distributions():
+        if "nvidia-nccl" in (d.metadata["Name"] or "").lower():
+            for f in d.files or []:
+                if "libnccl.so" in str(f):
+                    lib_dir = os.path.dirname(str(f.locate()))
+                    return os.path.dirname(lib_dir) if os.path.basename(lib_dir) == "lib" else lib_dir
+    raise AssertionError("Cannot find package: nccl")  # find_pkgs.py:53
+
+
+def check_nccl_so() -> None:
+    """deep_ep/__init__.py:46-68, line for line."""
+    if int(os.environ.get("EP_SUPPRESS_NCCL_CHECK", 0)):
+        return
+    with open("/proc/self/maps") as f:
+        loaded_nccl_so = None
+        for so in [line.strip().split(" ")[-1] for line in f if "libnccl" in line]:
+            loaded_nccl_so = so if loaded_nccl_so is None else loaded_nccl_so
+            assert so == loaded_nccl_so, f"Duplicate NCCL runtime found in the current system: {so} and {loaded_nccl_so}"  # :59
+    linked_nccl_so_candidates = sorted(glob.glob(f"{_find_nccl_root()}/lib/libnccl.so*"))
+    assert linked_nccl_so_candidates, f"No libnccl.so found in {_find_nccl_root()}/lib/"  # :61
+    linked_nccl_so = linked_nccl_so_candidates[0]
+    # :66 (a None loaded path raises TypeError in filecmp, as upstream's does)
+    assert filecmp.cmp(loaded_nccl_so, linked_nccl_so, shallow=False), (  # type: ignore[arg-type]
+        f"Invalid NCCL versions: {loaded_nccl_so} (loaded) v.s. {linked_nccl_so} (expected)"
+    )
+
+
+def _loaded_nccl_version() -> tuple[int, int, int] | None:
+    """What ``ncclGetVersion`` answers in this process (nccl.cu:69)."""
+    with open("/proc/self/maps") as f:
+        paths = [line.strip().split(" ")[-1] for line in f if "libnccl" in line]
+    if not paths:
+        return None
+    code = ctypes.c_int(0)
+    ctypes.CDLL(paths[0], mode=os.RTLD_NOLOAD | os.RTLD_LAZY).ncclGetVersion(ctypes.byref(code))
+    return (code.value // 10000, code.value % 10000 // 100, code.value % 100)
+
+
+def _load_extension() -> None:
+    """``import deep_ep._C`` (__init__.py:76): built against NCCL >= 2.30.4
+    (README.md), it does not load on an older one."""
+    version = _loaded_nccl_version()
+    if version is not None and version < (2, 30, 4):
+        raise ImportError(
+            f"deep_ep/_C.so: undefined symbol: ncclDevCommCreate (fake: the loaded NCCL is {'.'.join(map(str, version))}, "
+            "DeepEP 2.x needs 2.30.4 or later)"
+        )
+
+
+check_nccl_so()  # __init__.py:88
+_load_extension()  # __init__.py:89 (init_jit)
 CALLS: list[tuple[str, dict]] = []
 topk_idx_t = torch.int64
 
@@ -335,10 +413,17 @@ class Buffer:
 
 
 class EPHandle:
-    """elastic.py:25 ``EPHandle`` (the fields the plugin and combine read)."""
+    """elastic.py:25 ``EPHandle`` (the fields the plugin and combine read):
+    ``psum_num_recv_tokens_per_scaleup_rank`` (elastic.py:38-41, its last
+    element the tokens received) and ``psum_num_recv_tokens_per_expert``
+    (:42-48, inclusive) are device int tensors; ``num_recv_tokens`` and
+    ``num_recv_tokens_per_expert_list`` are exact only after a CPU sync
+    (without one: the worst case and an empty list, elastic buffer.hpp:1011-1070);
+    ``recv_src_metadata`` has one row per received-tensor row (combine checks it)."""
 
     def __init__(self, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int, topk_idx: Any,
-                 num_recv_tokens: int, num_recv_tokens_per_expert_list: list, src: list, num_tokens: int) -> None:
+                 num_recv_tokens: int, num_recv_tokens_per_expert_list: list, psum_per_rank: Any, psum_per_expert: Any,
+                 rows: int, src: list, num_tokens: int) -> None:
         assert topk_idx is not None  # elastic.py:76
         self.do_expand = False
         self.num_experts, self.expert_alignment = num_experts, expert_alignment
@@ -346,7 +431,35 @@ class EPHandle:
         self.topk_idx = topk_idx
         self.num_recv_tokens = num_recv_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_scaleup_rank = psum_per_rank
+        self.psum_num_recv_tokens_per_expert = psum_per_expert
+        self.recv_src_metadata = torch.zeros(rows, topk_idx.shape[1] + 2, dtype=torch.int32)  # buffer.hpp:1081-1083
         self.src, self.num_tokens = src, num_tokens
+
+
+def get_nccl_comm_handle(group: Any) -> Any:
+    """comm.py:42-64: the process group's own communicator (``_comm_ptr()``).
+    A torch NCCL group makes it at its first collective, or at once when
+    ``init_process_group`` had a ``device_id`` (``bound_device_id``); before
+    that the pointer is 0. Here (gloo) the group's collective count stands
+    for the first."""
+    made = getattr(group, "bound_device_id", None) is not None or group._get_sequence_number_for_group() > 0
+    return _CommHandle(0x1000 + group.rank() if made else 0)
+
+
+class _CommHandle:
+    def __init__(self, ptr: int) -> None:
+        self.nccl_comm = ptr
+
+    def get(self) -> int:
+        return self.nccl_comm
+
+
+def _gin_type() -> str:
+    """NCCL's ``props.ginType``: a GIN transport where the host has an RDMA
+    device (read under ``PLINTH_DEEPEP_HOST_ROOT``, as the plugin's probe)."""
+    root = os.path.join(os.environ.get("PLINTH_DEEPEP_HOST_ROOT", "/"), "sys/class/infiniband")
+    return "gdaki" if os.path.isdir(root) and os.listdir(root) else "none"
 
 
 class ElasticBuffer:
@@ -360,6 +473,15 @@ class ElasticBuffer:
         self.group, self.rank_idx, self.num_ranks = group, group.rank(), group.size()
         if num_cpu_bytes > 0:
             assert num_bytes is not None  # elastic.py:286
+        comm = get_nccl_comm_handle(group).get()  # elastic.py:301
+        if comm == 0:  # calculate_elastic_buffer_size / ncclCommQueryProperties on a null communicator
+            raise RuntimeError("NCCL error: invalid argument (fake deep_ep: the group's communicator is null; "
+                               "init_process_group without device_id and no collective on the group yet)")  # fmt: skip
+        if self.num_ranks > 1 and int(os.environ.get("EP_DISABLE_GIN", 0)) == 0:  # nccl.cu:86-90
+            assert _gin_type() != "none", (
+                "NCCL GIN is unavailable. This is usually due to a network configuration issue, "
+                "such as `allow_hybrid_mode=0` (disable direct RDMA kernels) in multi-plane network."
+            )
         if num_bytes is None:
             assert num_max_tokens_per_rank > 0 and hidden > 0  # elastic/buffer.hpp:657
             assert -(-hidden // 32) * 4 <= hidden  # elastic/buffer.hpp:660
@@ -401,8 +523,10 @@ class ElasticBuffer:
             num_max_tokens_per_rank = num_max_tokens_per_rank if num_max_tokens_per_rank is not None else handle.num_max_tokens_per_rank
             num_experts = num_experts if num_experts is not None else handle.num_experts
             expert_alignment = expert_alignment if expert_alignment is not None else handle.expert_alignment
+            do_cpu_sync = False  # elastic.py:944
             assert (num_experts, expert_alignment, num_max_tokens_per_rank) == (
                 handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank)  # elastic.py:947
+        do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync  # elastic.py:961
         num_max_tokens_per_rank = num_max_tokens_per_rank if num_max_tokens_per_rank is not None else self.num_max_tokens_per_rank
         expert_alignment = expert_alignment or 1
         assert x.is_contiguous()  # elastic/buffer.hpp:754 (is_cuda: a CPU fake)
@@ -416,14 +540,22 @@ class ElasticBuffer:
             assert topk_weights.shape[0] == x.shape[0]  # elastic/buffer.hpp:783
             assert topk_weights.is_contiguous()  # elastic/buffer.hpp:785
         assert num_experts % self.num_ranks == 0  # elastic/buffer.hpp:805
-        CALLS.append(("elastic_dispatch", dict(cached=cached, tokens=x.shape[0])))
+        CALLS.append(("elastic_dispatch", dict(cached=cached, tokens=x.shape[0], cpu_sync=do_cpu_sync, num_max=num_max_tokens_per_rank)))
         recv_x, recv_idx, recv_w, counts, src = _flat_dispatch(self.group, x, topk_idx, topk_weights, num_experts)
-        slack = 3  # the receive buffer holds more rows than arrived (handle.num_recv_tokens says how many)
-        recv_x = torch.cat([recv_x, recv_x.new_zeros(slack, recv_x.shape[1])])
-        recv_idx = torch.cat([recv_idx, torch.full((slack, recv_idx.shape[1]), -1, dtype=torch.int64)])
-        recv_w = torch.cat([recv_w, torch.zeros(slack, recv_w.shape[1])])
+        arrived = len(src)
+        # rows: exactly what arrived after a CPU sync, else the worst case (buffer.hpp:1067);
+        # either way from torch::empty (buffer.hpp:1076): rows past the arrivals hold garbage,
+        # here NaN and out-of-range expert ids, so that a reader who trusts them fails
+        rows = arrived if do_cpu_sync else num_max_tokens_per_rank * self.num_ranks
+        slack = rows - arrived
+        recv_x = torch.cat([recv_x, torch.full((slack, recv_x.shape[1]), float("nan"), dtype=recv_x.dtype)])
+        recv_idx = torch.cat([recv_idx, torch.full((slack, recv_idx.shape[1]), 10**6, dtype=torch.int64)])
+        recv_w = torch.cat([recv_w, torch.full((slack, recv_w.shape[1]), float("nan"))])
         if not cached:
-            handle = EPHandle(num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, topk_idx.clone(), len(src), counts,
+            psum_rank = torch.tensor([arrived], dtype=torch.int32)  # one scaleup domain
+            psum_expert = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0).to(torch.int32)
+            handle = EPHandle(num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, topk_idx.clone(),
+                              arrived if do_cpu_sync else rows, counts if do_cpu_sync else [], psum_rank, psum_expert, rows,
                               src, x.shape[0])  # fmt: skip
         recv = (recv_x, sf) if sf is not None else recv_x
         return recv, recv_idx, (recv_w if topk_weights is not None else None), handle, EventOverlap()
@@ -440,5 +572,6 @@ class ElasticBuffer:
         assert (x.shape[1] * x.element_size()) % 16 == 0  # elastic/buffer.hpp:1204
         assert handle.topk_idx.dtype == topk_idx_t  # elastic/buffer.hpp:1210
         assert handle.topk_idx.shape[0] <= handle.num_max_tokens_per_rank  # elastic/buffer.hpp:1214
+        assert handle.recv_src_metadata.shape[0] == x.shape[0]  # elastic/buffer.hpp:1219 (non-expanded layout)
         CALLS.append(("elastic_combine", {}))
         return _flat_combine(self.group, x, handle.src, handle.num_tokens), None, EventOverlap()
