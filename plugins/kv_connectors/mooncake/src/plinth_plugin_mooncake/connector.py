@@ -147,11 +147,25 @@ def load_config(options: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+#: one of the plugin's extras, each one distribution of the `mooncake` package
+INSTALL_HINT = "pip install 'plinth-plugin-mooncake[tcp]', or [cuda] with CUDA; apt-get install libibverbs1"
+
+
+def mooncake_distributions() -> list[str]:
+    """The installed distributions that provide the ``mooncake`` package."""
+    import importlib.metadata
+
+    return sorted(set(importlib.metadata.packages_distributions().get("mooncake", [])))
+
+
 class MooncakeConnector(KVConnector):
     @classmethod
     def check(cls, ctx: SelectionContext) -> list[str]:
         if importlib.util.find_spec("mooncake") is None:
-            return ["mooncake is not installed (pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1)"]
+            return [f"mooncake is not installed ({INSTALL_HINT})"]
+        owners = mooncake_distributions()
+        if len(owners) > 1:  # one package written by two distributions: whichever came last holds its files
+            return [f"two distributions provide the mooncake package ({' and '.join(owners)}): uninstall both, then {INSTALL_HINT}"]
         return []
 
     def __init__(self, ctx: SelectionContext, *, config: Any, layout: Any) -> None:
