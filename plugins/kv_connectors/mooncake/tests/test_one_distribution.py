@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pathlib
 import re
-import tomllib
 
+import tomllib
 from plinth.api import SelectionContext
 from plinth_plugin_mooncake import connector
 from plinth_plugin_mooncake.connector import MooncakeConnector
