@@ -147,10 +147,39 @@ def test_measure_keeps_to_its_time_budget():
     assert spent == clock.now
 
 
-def test_a_slow_warm_up_alone_counts():
+def test_a_slow_forward_counts_once_timed_again():
     clock = FakeClock(lambda n: 1.5)
     curve, spent = sp.measure_curve(clock.forward, SIZES, clock=clock, time_budget=2.0)
-    assert curve == [(32, 1.5)] and clock.calls == [32] and spent == 1.5
+    assert curve == [(32, 1.5)] and clock.calls == [32, 32] and spent == 3.0
+
+
+class FirstCallClock(FakeClock):
+    """A forward whose first call at each kernel regime autotunes: 2.5 s
+    more at the first call of up to 64 tokens and of more (the triton MoE's
+    BLOCK_M 16 and 64, tuned once each)."""
+
+    def __init__(self, cost):
+        super().__init__(cost)
+        self.tuned: set[bool] = set()
+
+    def forward(self, n: int) -> None:
+        regime = n > 64
+        if regime not in self.tuned:
+            self.tuned.add(regime)
+            self.now += 2.5
+        super().forward(n)
+
+
+def test_autotuning_is_kept_out_of_the_timings_and_the_budget():
+    """Before: the 32-token warm-up (autotune, > half the budget) was taken
+    as its timing and ended the measurement: a budget of 32 + max_num_seqs."""
+    clock = FirstCallClock(lambda n: 0.002 + 0.0001 * n)
+    curve, spent = sp.measure_curve(clock.forward, SIZES, clock=clock)
+    assert curve[0] == (32, pytest.approx(0.0052))
+    assert [n for n, _ in curve][:4] == [32, 64, 128, 256]  # past the second regime's tuning too
+    assert all(t < 0.25 for _, t in curve)
+    assert spent == clock.now and spent > 5.0  # the wall time, tuning included, is still reported
+    assert sp.choose_budget(curve, decodes=16)[0] > 32 + 16
 
 
 def test_probe_sizes_fit_the_context_and_the_pool():

@@ -24,7 +24,9 @@ measured curve:
 The measurement is bounded: sizes from ``CANDIDATE_TOKENS`` up to the
 model's context length and what the KV pool holds; it stops at the first
 size over the latency bound, once the cost per token has stopped falling
-for two sizes, or when ``MEASURE_TIME_BUDGET_S`` would be passed.
+for two sizes, or when ``MEASURE_TIME_BUDGET_S`` would be passed. A first
+call's own cost (kernels compiled or autotuned: seconds for the triton MoE)
+is kept out of both the timings and that budget.
 
 Only the engine's own forward is timed: nothing here knows a device. A
 distributed engine (more than one rank) does not measure: every rank would
@@ -143,34 +145,44 @@ def measure_curve(
     tolerance: float = SATURATION_TOLERANCE,
 ) -> tuple[list[tuple[int, float]], float]:
     """Time ``forward(n)`` for each size (one warm-up, then the fastest of
-    ``repeats``; the warm-up alone when it took half the time budget),
-    smallest first; stop at the first size over
+    ``repeats``), smallest first; stop at the first size over
     ``latency_bound``, after two sizes in a row that do not lower the best
     cost per token by more than ``tolerance``, or before a size whose
     predicted cost (linear in tokens from the last one) would pass
-    ``time_budget``. Returns the curve and the seconds spent."""
+    ``time_budget``. A warm-up's time beyond the forward's own (kernels built
+    or autotuned at their first call: the triton backend tunes its MoE
+    kernels for seconds) is neither a timing nor charged to the budget. A
+    warm-up over half the budget is timed once more: a second call as slow
+    counts alone (no time for repeats), a fast one was the first call's cost.
+    Returns the curve and the seconds spent (first calls included)."""
     start = clock()
+    first_calls = 0.0  # warm-up time past the forward's own: compiling, autotuning
     curve: list[tuple[int, float]] = []
     best = float("inf")
     flat = 0
+
+    def timed(n: int) -> float:
+        t0 = clock()
+        forward(n)
+        return clock() - t0
+
     for n in sorted(sizes):
         if curve:
             last_n, last_t = curve[-1]
             predicted = (1 + repeats) * last_t * n / last_n
-            if clock() - start + predicted > time_budget:
+            if clock() - start - first_calls + predicted > time_budget:
                 break
-        t0 = clock()
-        forward(n)  # warm-up: first calls at a shape build kernels and caches
-        warm = clock() - t0
-        if warm > time_budget / 2:  # no time for repeats: the warm-up's time (an upper bound) counts
-            curve.append((n, warm))
-            break
+        warm = timed(n)  # warm-up: first calls at a shape build kernels and caches
         times = []
-        for _ in range(repeats):
-            t0 = clock()
-            forward(n)
-            times.append(clock() - t0)
+        if warm > time_budget / 2:
+            times.append(timed(n))
+            if times[0] > time_budget / 2:  # the forward itself is that slow: no time for repeats
+                first_calls += max(0.0, warm - times[0])
+                curve.append((n, times[0]))
+                break
+        times += [timed(n) for _ in range(repeats - len(times))]
         t = min(times)
+        first_calls += max(0.0, warm - t)
         curve.append((n, t))
         if t > latency_bound:
             break
