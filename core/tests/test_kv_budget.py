@@ -115,3 +115,36 @@ def test_a_draft_models_weights_are_left_out(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
     assert draft_weight_bytes(EngineConfig(model="x", speculative_method="draft", speculative_model=str(tmp_path))) == 4096
     assert draft_weight_bytes(EngineConfig(model="x")) == 0
+
+
+def test_the_profile_runs_a_decode_step_too_where_an_a2a_takes_its_decode_path():
+    """An MoE layer's decode path through an a2a plugin (the "padded"
+    layout) holds other buffers than a prefill: with ``decode_seqs`` the
+    measured function runs a decode-only step of that many sequences after
+    the prefill, both inside ``measure_peak``."""
+    from plinth.api import ModelConfig
+    from plinth.engine.startup import profile_activation_peak
+    from toy_engine import TOY_OPS, ToyModel
+
+    seen: list[tuple[int, bool]] = []
+
+    class Recording(ToyModel):
+        def forward(self, input_ids, positions, kv_caches, meta):
+            seen.append((int(input_ids.shape[0]), bool(meta.is_decode_only)))
+            return super().forward(input_ids, positions, kv_caches, meta)
+
+    class Measuring(ScriptedAccelerator):
+        def measure_peak(self, fn, index: int = 0) -> int:
+            before = len(seen)
+            fn()
+            self.inside = seen[before:]
+            return self.peak
+
+    cfg = ModelConfig(architecture="Toy", vocab_size=97, hidden_size=1, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1,
+                      max_model_len=4096)  # fmt: skip
+    acc = Measuring(held=0, peak=123)
+    kw = dict(device=torch.device("cpu"), dtype=torch.float64, page_size=4, tokens=24)
+    assert profile_activation_peak(acc, Recording(), TOY_OPS, cfg, **kw) == 123
+    assert acc.inside == [(24, False)]
+    assert profile_activation_peak(acc, Recording(), TOY_OPS, cfg, decode_seqs=5, **kw) == 123
+    assert acc.inside == [(24, False), (5, True)]

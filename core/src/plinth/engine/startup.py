@@ -219,21 +219,30 @@ def profiling_tokens(config: EngineConfig, max_model_len: int) -> int:
 
 def profile_activation_peak(
     accelerator: Any, model: Any, ops: Any, model_cfg: ModelConfig, *, device: Any, dtype: torch.dtype,
-    page_size: int, tokens: int, device_index: int = 0,
+    page_size: int, tokens: int, device_index: int = 0, decode_seqs: int = 0,
 ) -> int:
     """The activation peak of one forward of ``tokens`` prompt tokens, as
     vLLM's ``determine_available_memory`` profiles it: run once, before the
     KV pool exists, in a scratch pool just big enough (its pages count in
-    the peak: a little over, never under). Every rank of a multi-rank run
-    calls it together (the forward's collectives)."""
+    the peak: a little over, never under). With ``decode_seqs``, a
+    decode-only step of that many sequences too (an MoE layer's decode path
+    through an a2a plugin, the "padded" layout, holds other buffers than a
+    prefill's). Every rank of a multi-rank run calls it together (the
+    forward's collectives)."""
     from plinth.engine.kv_cache_manager import KVCacheManager
-    from plinth.engine.step_plan import prefill_forward
+    from plinth.engine.step_plan import decode_forward, prefill_forward
 
-    pages = -(-tokens // page_size) + 1
+    pages = -(-tokens // page_size) + 1 + decode_seqs
     runner = ModelRunner(model, ops, model_cfg, device=device, dtype=dtype, num_pages=pages, page_size=page_size, enable_caching=False)
     kv = KVCacheManager(runner.kv_groups, hash_seed=0, copy_pages=runner.copy_pages)
-    forward = prefill_forward(runner, kv)
-    return int(accelerator.measure_peak(lambda: forward(tokens), device_index))  # the scratch pool goes with this frame
+    prefill, decode = prefill_forward(runner, kv), decode_forward(runner, kv)
+
+    def forwards() -> None:
+        prefill(tokens)
+        if decode_seqs:
+            decode(decode_seqs)
+
+    return int(accelerator.measure_peak(forwards, device_index))  # the scratch pool goes with this frame
 
 
 def draft_weight_bytes(config: EngineConfig) -> int:
@@ -526,6 +535,7 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
         peak = profile_activation_peak(
             accelerator, model, ops, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
             tokens=profiling_tokens(config, max_model_len), device_index=local_rank,
+            decode_seqs=config.max_num_seqs if parallel.get("a2a") is not None else 0,
         )  # fmt: skip
     plan = kv_pool_pages(
         config, accelerator, model, dtype, max_model_len=max_model_len, device_index=local_rank, activation_peak=peak,

@@ -228,6 +228,31 @@ def prefill_forward(runner: Any, kv: Any) -> Callable[[int], None]:
     return forward
 
 
+def decode_forward(runner: Any, kv: Any) -> Callable[[int], None]:
+    """``forward(n)``: the runner's forward of ``n`` one-token sequences, a
+    decode-only step's shape (the MoE layers take their decode path: DeepEP's
+    low-latency kernels, the "padded" layout), in lent pages."""
+    from plinth.engine.sampling_params import SamplingParams
+    from plinth.engine.scheduler import ScheduledBatch
+    from plinth.engine.sequence import Request, Sequence
+
+    def forward(n: int) -> None:
+        seqs = [Sequence(Request(f"decode-plan-{i}", None, [1 + i % 97], SamplingParams(max_tokens=1)), 0, [1 + i % 97]) for i in range(n)]
+        held = []
+        try:
+            for seq in seqs:
+                if not kv.allocate_slots(seq, 1):
+                    raise RuntimeError(f"the KV pool cannot hold a {n}-sequence decode probe")
+                held.append(seq)
+            batch = ScheduledBatch(seqs=seqs, num_tokens=[1] * n, block_tables=[kv.block_table(s) for s in seqs])
+            runner.execute(batch, [0] * n).cpu()
+        finally:
+            for seq in held:
+                kv.free(seq)
+
+    return forward
+
+
 def plan_step(
     config: Any,
     *,

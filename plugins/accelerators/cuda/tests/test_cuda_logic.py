@@ -78,3 +78,46 @@ def test_info_memory_and_init_on_a_simulated_h100(cuda_build: pytest.MonkeyPatch
     with pytest.raises(RuntimeError, match="local rank 2 needs GPU 2, but only 2 are visible"):
         acc.init_process(local_rank=2, options={})
     assert acc.device(1) == torch.device("cuda", 1)
+
+
+class CachingAllocator:
+    """torch.cuda's memory calls over a scripted device, as the caching
+    allocator behaves: a forward allocates and frees, the allocator keeps
+    what it reserved (its peak) until ``empty_cache``, so ``mem_get_info``
+    reports that much less free after the profile; ``outside`` is what
+    something beside torch's allocator holds (NCCL, cuBLAS workspaces)."""
+
+    def __init__(self, total: int, held: int) -> None:
+        self.total, self.allocated, self.reserved, self.peak, self.outside = total, held, held, held, 0
+
+    def install(self, mp: pytest.MonkeyPatch) -> None:
+        mp.setattr(torch.cuda, "synchronize", lambda i=None: None)
+        mp.setattr(torch.cuda, "reset_peak_memory_stats", lambda i=None: setattr(self, "peak", self.allocated))
+        mp.setattr(torch.cuda, "memory_allocated", lambda i=None: self.allocated)
+        mp.setattr(torch.cuda, "max_memory_allocated", lambda i=None: self.peak)
+        mp.setattr(torch.cuda, "memory_reserved", lambda i=None: self.reserved)
+        mp.setattr(torch.cuda, "mem_get_info", lambda i=None: (self.total - self.reserved - self.outside, self.total))
+        mp.setattr(torch.cuda, "empty_cache", lambda: setattr(self, "reserved", self.allocated))
+
+    def forward(self, activations: int, outside: int = 0) -> None:
+        self.allocated += activations
+        self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, self.allocated)
+        self.outside += outside
+        self.allocated -= activations  # freed to the cache, still reserved
+
+
+def test_the_memory_report_drops_by_the_profiled_peak(cuda_build: pytest.MonkeyPatch) -> None:
+    """After the profile forward the caching allocator still holds its peak:
+    free reads that much lower, as on a real GPU (what a KV budget read after
+    the profile must not subtract twice)."""
+    device = CachingAllocator(total=80 << 30, held=20 << 30)  # the weights
+    device.install(cuda_build)
+    acc = CUDAAccelerator()
+    free_before, _ = acc.memory(0)
+    peak = acc.measure_peak(lambda: device.forward(3 << 30, outside=1 << 28), 0)
+    assert peak == (3 << 30) + (1 << 28)  # the allocator's peak and what NCCL took beside it
+    free_after, total = acc.memory(0)
+    assert free_before - free_after == peak and total == 80 << 30
+    torch.cuda.empty_cache()
+    assert acc.memory(0)[0] == free_before - (1 << 28)  # the cache given back; NCCL's stays
