@@ -38,7 +38,6 @@ import platform
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -79,10 +78,11 @@ class ProbeResult:
 @dataclasses.dataclass(frozen=True)
 class ChildOutcome:
     """One child's run: the check it was in when it stopped (None: it passed
-    them all) and why it stopped."""
+    them all), why it stopped, and the checks it started, in order."""
 
     failed_check: str | None
     why: str = ""
+    checks: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
 
 # ---------------------------------------------------------------- the checks (in the child)
@@ -202,19 +202,28 @@ class _Checks:
     parent knows which one a crash was in), and stops at the first failure."""
 
     def __init__(self, out: Any) -> None:
+        import torch
+
+        self.torch = torch
         self.out = out
         fault = os.environ.get(FAULT_ENV, "")
         self.fault_match, _, self.fault = fault.rpartition("=")
 
-    def run(self, name: str, fn: Callable[[], str | None]) -> None:
+    def compare(self, name: str, kernel: Callable[..., Any], args: tuple[Any, ...], want: Any, *, bf16: bool, identical: Any = None) -> Any:
+        """``kernel(*args)``, checked against ``want`` to the dtype's rounding
+        (and bit for bit against ``identical`` when given); returns it."""
         print(json.dumps({"check": name}), file=self.out, flush=True)
         if self.fault_match and self.fault_match in name:
             if self.fault == "mismatch":
                 raise _Mismatch(name, "a wrong result forced by " + FAULT_ENV)
             os.kill(os.getpid(), getattr(signal, self.fault or "SIGILL"))
-        problem = fn()
+        got = kernel(*args)
+        if identical is not None and not self.torch.equal(got, identical):
+            raise _Mismatch(name, "not bit-identical to the path the docs say it equals")
+        problem = _close(self.torch, got, want, bf16)
         if problem:
             raise _Mismatch(name, problem)
+        return got
 
 
 class _Mismatch(Exception):
@@ -223,18 +232,19 @@ class _Mismatch(Exception):
         self.check, self.why = check, why
 
 
+def _rms_norm(torch: Any, x: Any, w: Any, eps: float) -> Any:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
 def run_checks(isa: tuple[str, ...], rows: Iterable[int] = ROWS, out: Any = None) -> None:
     """Every path of the builds for ``isa`` on small problems (the child's
     work); raises _Mismatch at the first disagreement."""
     import torch
     import torch.nn.functional as F
 
-    from plinth_plugin_cpukernels.gemm import load_linear_kernels
+    from plinth_plugin_cpukernels.gemm import linear_kernel_path, load_linear_kernels
     from plinth_plugin_cpukernels.kernels import load_kernels
-    from plinth_plugin_cpukernels.quant import GGUF_FORMATS, load_quant_kernels
-
-    from plinth_plugin_cpukernels.gemm import linear_kernel_path
-    from plinth_plugin_cpukernels.quant import gguf_kernel_path
+    from plinth_plugin_cpukernels.quant import GGUF_FORMATS, gguf_kernel_path, load_quant_kernels
 
     checks = _Checks(out or sys.stdout)
     linear_path, gguf_path, vector_path = linear_kernel_path(isa), gguf_kernel_path(isa), _vector_path(set(isa))
@@ -244,54 +254,44 @@ def run_checks(isa: tuple[str, ...], rows: Iterable[int] = ROWS, out: Any = None
     lin, quant, attn = load_linear_kernels(isa), load_quant_kernels(isa), load_kernels(isa)
     n, k = 200, 576  # N not a multiple of 16 or of the AMX kernel's 4 blocks; K a multiple of 32
     xs = {m: torch.randn(m, k, generator=gen) for m in rows}
-    vector: dict[tuple[str, int], Any] = {}  # the vector path's results, the AMX paths' reference
 
+    # the streaming linears against F.linear in float32
+    dense: dict[str, tuple[Any, Any, Any]] = {}
     for dtype in (torch.float32, torch.bfloat16):
         w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
         bias = torch.randn(n, generator=gen).to(dtype)
-        packed = lin.linear_pack(w)
+        packed = dense[str(dtype)] = (w, bias, lin.linear_pack(w))
         for m in rows:
             x = xs[m].to(dtype)
+            want = F.linear(x.float(), w.float(), bias.float())
+            name = f"linear_small {str(dtype).removeprefix('torch.')} on {linear_path} rows={m}"
+            checks.compare(name, lin.linear_small, (x, packed[2], n, k, bias), want, bf16=dtype == torch.bfloat16)
 
-            def small(x: Any = x, dtype: Any = dtype, m: int = m) -> str | None:
-                got = lin.linear_small(x, packed, n, k, bias)
-                vector[(str(dtype), m)] = got
-                return _close(torch, got, F.linear(x.float(), w.float(), bias.float()), dtype == torch.bfloat16)
-
-            checks.run(f"linear_small {str(dtype).removeprefix('torch.')} on {linear_path} rows={m}", small)
-    w_bf16 = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
-    bias_bf16 = torch.randn(n, generator=gen).bfloat16()
-    packed_bf16 = lin.linear_pack(w_bf16)
-    fused_formats = {int(c) for c in lin.gguf_fused_formats()}
+    # the GGUF kernels: the integer one against F.linear on the dequantized weight
+    # (activations quantized to int8 per block: about 1% of the largest output),
+    # the fused records against the dense copy's bf16 values
     gguf = {}
-    for name, (code, _, _) in GGUF_FORMATS.items():
-        blocks = _random_gguf_blocks(torch, code, n, k if code not in (3, 4, 5) else 512, gen)
-        kk = blocks.shape[1] // GGUF_FORMATS[name][2] * GGUF_FORMATS[name][1]
-        dense = quant.gguf_dequantize(blocks, code, kk, 0, n, False)
-        gguf[name] = (code, blocks, kk, dense)
+    fused_formats = {int(c) for c in lin.gguf_fused_formats()}
+    for type_name, (code, block, _) in GGUF_FORMATS.items():
+        kk = k if block == 32 else 512
+        blocks = _random_gguf_blocks(torch, code, n, kk, gen)
+        weight = quant.gguf_dequantize(blocks, code, kk, 0, n, False)
+        gguf[type_name] = (code, blocks, kk, weight)
         for m in rows:
             x = torch.randn(m, kk, generator=gen)
-
-            def integer(x: Any = x, blocks: Any = blocks, code: int = code, dense: Any = dense) -> str | None:
-                # activations quantized to int8 per block: about 1% of the largest output
-                return _close(torch, quant.gguf_linear(x, blocks, code, False), F.linear(x, dense), bf16=True)
-
-            checks.run(f"gguf_linear {name} on {gguf_path} rows={m}", integer)
-    for name, (code, blocks, kk, dense) in gguf.items():
+            checks.compare(f"gguf_linear {type_name} on {gguf_path} rows={m}", quant.gguf_linear, (x, blocks, code, False), F.linear(x, weight), bf16=True)
+    fused_vector: dict[tuple[str, int], Any] = {}  # the AMX records' reference
+    for type_name, (code, blocks, kk, weight) in gguf.items():
         if code not in fused_formats:
             continue
         records = lin.gguf_fused_pack(blocks, code, n, kk)
         for m in rows:
             x = xs[m][:, :kk].bfloat16()
+            want = F.linear(x.float(), weight.bfloat16().float())
+            name = f"gguf_fused_linear {type_name} on {linear_path} rows={m}"
+            fused_vector[(type_name, m)] = checks.compare(name, lin.gguf_fused_linear, (x, records, code, n, kk, None), want, bf16=True)
 
-            def fused(x: Any = x, records: Any = records, code: int = code, dense: Any = dense, name: str = name, m: int = m) -> str | None:
-                got = lin.gguf_fused_linear(x, records, code, n, kk, None)
-                vector[(f"gguf {name}", m)] = got
-                return _close(torch, got, F.linear(x.float(), dense.bfloat16().float()), bf16=True)
-
-            checks.run(f"gguf_fused_linear {name} on {linear_path} rows={m}", fused)
-
-    # attention: sequences of every row count, prompt rows after a cached part, pages out of order
+    # attention: a sequence of every row count, its prompt rows after a cached part, pages out of order
     hq, hkv, d, ps = 4, 2, 64, 16
     lens = [m + 3 * (i + 1) for i, m in enumerate(rows)]
     qsl = [0]
@@ -304,69 +304,44 @@ def run_checks(isa: tuple[str, ...], rows: Iterable[int] = ROWS, out: Any = None
     for b, count in enumerate(pages_per):
         tables[b, :count] = perm[at : at + count]
         at += count
-    scale = d**-0.5
-    attention_inputs = {}
+    seq_lens, starts, scale = torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int64), d**-0.5
+    all_rows = ",".join(map(str, rows))
+    attention: dict[str, tuple[tuple[Any, ...], Any]] = {}
+    attn.set_amx_attention(False)
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(qsl[-1], hq, d, generator=gen).to(dtype)
         kp = torch.randn(hkv, at, ps, d, generator=gen).to(dtype)
         vp = torch.randn(hkv, at, ps, d, generator=gen).to(dtype)
-        attention_inputs[dtype] = (q, kp, vp)
-        ref = _reference_attention(torch, q, kp, vp, tables, qsl, lens, scale)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
-        starts = torch.tensor(qsl, dtype=torch.int64)
-
-        def attention(q: Any = q, kp: Any = kp, vp: Any = vp, ref: Any = ref, dtype: Any = dtype) -> str | None:
-            attn.set_amx_attention(False)
-            got = attn.paged_attention(q, kp, vp, tables, starts, seq_lens, scale, 0)
-            vector[(f"attention {dtype}", 0)] = got
-            return _close(torch, got, ref, dtype == torch.bfloat16)
-
-        checks.run(f"paged_attention {str(dtype).removeprefix('torch.')} on {vector_path} rows={','.join(map(str, rows))}", attention)
-    x_norm = torch.randn(8, k, generator=gen)
-    w_norm = torch.rand(k, generator=gen) + 0.5
-    checks.run(
-        f"rms_norm float32 on {vector_path}",
-        lambda: _close(torch, attn.rms_norm(x_norm, w_norm, 1e-6, None)[0], x_norm * torch.rsqrt(x_norm.pow(2).mean(-1, keepdim=True) + 1e-6) * w_norm, False),
-    )
+        args = (q, kp, vp, tables, starts, seq_lens, scale, 0)
+        want = _reference_attention(torch, q, kp, vp, tables, qsl, lens, scale)
+        name = f"paged_attention {str(dtype).removeprefix('torch.')} on {vector_path} rows={all_rows}"
+        attention[str(dtype)] = (args, checks.compare(name, attn.paged_attention, args, want, bf16=dtype == torch.bfloat16))
+    x_norm, w_norm = torch.randn(8, k, generator=gen), torch.rand(k, generator=gen) + 0.5
+    checks.compare(f"rms_norm float32 on {vector_path}", lambda *a: attn.rms_norm(*a)[0], (x_norm, w_norm, 1e-6, None), _rms_norm(torch, x_norm, w_norm, 1e-6), bf16=False)
 
     if not lin.linear_amx_available():
         return
-    # AMX: against the vector path's results above; the fused records bit-identical
-    # to the AMX kernel on their dense copy (gemm.py, csrc/linear_ops.cpp)
+    # AMX: against the vector paths' results above; the fused records also bit
+    # for bit against the AMX kernel on their dense copy (gemm.py, csrc/linear_ops.cpp)
+    w, bias, packed_bf16 = dense[str(torch.bfloat16)]
     for m in rows:
         x = xs[m].bfloat16()
-
-        def amx(x: Any = x, m: int = m) -> str | None:
-            want = lin.linear_small(x, packed_bf16, n, k, bias_bf16)
-            return _close(torch, lin.linear_amx(x, packed_bf16, n, k, bias_bf16), want, bf16=True)
-
-        checks.run(f"linear_amx bfloat16 on amx tiles rows={m}", amx)
-    for name, (code, blocks, kk, dense) in gguf.items():
+        want = lin.linear_small(x, packed_bf16, n, k, bias)
+        checks.compare(f"linear_amx bfloat16 on amx tiles rows={m}", lin.linear_amx, (x, packed_bf16, n, k, bias), want, bf16=True)
+    for type_name, (code, blocks, kk, _) in gguf.items():
         if code not in fused_formats:
             continue
         records = lin.gguf_fused_pack(blocks, code, n, kk)
         dense_packed = lin.linear_pack(quant.gguf_dequantize(blocks, code, kk, 0, n, True))
         for m in rows:
             x = xs[m][:, :kk].bfloat16()
-
-            def fused_amx(x: Any = x, records: Any = records, code: int = code, name: str = name, m: int = m, dense_packed: Any = dense_packed) -> str | None:
-                got = lin.gguf_fused_linear_amx(x, records, code, n, kk, None)
-                if not torch.equal(got, lin.linear_amx(x, dense_packed, n, kk, None)):
-                    return "not bit-identical to linear_amx on the dense copy"
-                return _close(torch, got, vector[(f"gguf {name}", m)], bf16=True)
-
-            checks.run(f"gguf_fused_linear_amx {name} on amx tiles rows={m}", fused_amx)
+            same = lin.linear_amx(x, dense_packed, n, kk, None)
+            name = f"gguf_fused_linear_amx {type_name} on amx tiles rows={m}"
+            checks.compare(name, lin.gguf_fused_linear_amx, (x, records, code, n, kk, None), fused_vector[(type_name, m)], bf16=True, identical=same)
     if attn.set_amx_attention(True):
-        q, kp, vp = attention_inputs[torch.bfloat16]
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
-        starts = torch.tensor(qsl, dtype=torch.int64)
-
-        def amx_attention() -> str | None:
-            got = attn.paged_attention(q, kp, vp, tables, starts, seq_lens, scale, 0)
-            return _close(torch, got, vector[(f"attention {torch.bfloat16}", 0)], bf16=True)
-
         try:
-            checks.run(f"amx_attention bfloat16 on amx tiles rows={','.join(map(str, rows))}", amx_attention)
+            args, want = attention[str(torch.bfloat16)]
+            checks.compare(f"amx_attention bfloat16 on amx tiles rows={all_rows}", attn.paged_attention, args, want, bf16=True)
         finally:
             attn.set_amx_attention(False)
 
@@ -402,32 +377,34 @@ def run_child(isa: tuple[str, ...], timeout: float = CHECK_TIMEOUT_S) -> ChildOu
         load(isa)
     cmd = [sys.executable, "-m", "plinth_plugin_cpukernels.probe", ",".join(isa)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
-    reader.start()
     try:
-        _, stderr = proc.communicate(timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
-        reader.join(5)
-        return ChildOutcome(_last_check(lines) or "start-up", f"probe hung (no answer in {timeout:.0f} s)")
-    reader.join(5)
-    last = _last_check(lines)
-    for line in lines:
+        stdout, _ = proc.communicate()
+        return _outcome(stdout, "start-up", f"probe hung (no answer in {timeout:.0f} s)")
+    for line in stdout.splitlines():
         record = _record(line)
         if "mismatch" in record:
-            return ChildOutcome(record["mismatch"], f"probe disagreed ({record['why']})")
-    if proc.returncode == 0 and any(_record(line).get("ok") for line in lines):
-        return ChildOutcome(None)
+            return _outcome(stdout, record["mismatch"], f"probe disagreed ({record['why']})")
+    if proc.returncode == 0 and any(_record(line).get("ok") for line in stdout.splitlines()):
+        return _outcome(stdout, None, "")
     if proc.returncode < 0:
         try:
             name = signal.Signals(-proc.returncode).name
         except ValueError:
             name = f"signal {-proc.returncode}"
-        return ChildOutcome(last or "start-up", f"probe died with {name}")
+        return _outcome(stdout, "start-up", f"probe died with {name}")
     tail = (stderr or "").strip().splitlines()[-1:] or [""]
-    return ChildOutcome(last or "start-up", f"probe exited with {proc.returncode} ({tail[0][-300:]})")
+    return _outcome(stdout, "start-up", f"probe exited with {proc.returncode} ({tail[0][-300:]})")
+
+
+def _outcome(stdout: str, failed: str | None, why: str) -> ChildOutcome:
+    """The outcome, with the checks the child started; a crash is placed in the last one started."""
+    checks = tuple(c for c in (_record(line).get("check") for line in stdout.splitlines()) if c)
+    if failed == "start-up" and checks:
+        failed = checks[-1]
+    return ChildOutcome(failed, why, checks)
 
 
 def _record(line: str) -> dict[str, Any]:
@@ -436,11 +413,6 @@ def _record(line: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _last_check(lines: list[str]) -> str | None:
-    checks = [_record(line).get("check") for line in lines]
-    return next((c for c in reversed(checks) if c), None)
 
 
 def _path_name(isa: tuple[str, ...]) -> str:
