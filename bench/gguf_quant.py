@@ -2,7 +2,7 @@
 accuracy and batch-1 decode speed (issue 12), on SmolLM2-135M-Instruct Q4_1.
 
     .venv/bin/python bench/gguf_quant.py [--prompts 50] [--tokens 32] [--skip speed]
-    .venv/bin/python bench/gguf_quant.py --crossover   # integer kernel vs dequantize + GEMM by rows
+    .venv/bin/python bench/gguf_quant.py --crossover [--plot FILE.png]   # integer kernel vs dequantize + GEMM by rows
 
 Accuracy, in one process, the cpukernels backend, against the dequantized
 model in float32 (the GGUF weights exactly):
@@ -189,6 +189,33 @@ def crossover(rows: list[int]) -> dict:
     return out
 
 
+def plot_crossover(result: dict, path: str) -> None:
+    """One panel per weight: CPU ms a call by batch rows, both paths, and where the engine switches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from plinth_plugin_cpukernels.quant import GEMM_MIN_ROWS
+
+    shapes = result["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.4))
+    for ax, (name, by_rows) in zip(axes, shapes.items(), strict=True):
+        rows = sorted(by_rows, key=int)
+        for key, label in (("integer_ms", "integer kernel"), ("gemm_ms", "dequantize + GEMM")):
+            ax.plot([int(m) for m in rows], [by_rows[m][key] for m in rows], marker="o", label=label)
+        ax.axvline(GEMM_MIN_ROWS, color="grey", linestyle=":", label=f"engine switches ({GEMM_MIN_ROWS} rows)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("activation rows")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("CPU ms a call, one thread")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"GGUF linears by batch rows ({result['kernel']}, {result['dtype']} activations)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 # ---- speed ---------------------------------------------------------------------------------
 
 
@@ -247,6 +274,7 @@ def main() -> int:
     parser.add_argument("--skip", default="", help="comma-separated: accuracy, speed")
     parser.add_argument("--accuracy-parts", default="logits,greedy,ppl", help="comma-separated: logits, greedy, ppl")
     parser.add_argument("--crossover", action="store_true", help="only: integer kernel vs dequantize + GEMM by batch rows")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="with --crossover: its curves")
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
     parser.add_argument("--_speed-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -255,7 +283,12 @@ def main() -> int:
         print(json.dumps(decode_speed(o["dtype"], o["dequantize"], o["decode_tokens"], o["repeats"])))
         return 0
     if args.crossover:
-        print(json.dumps(crossover([1, 2, 4, 8, 12, 16, 24, 32, 48, 64]), indent=2))
+        result = crossover([1, 2, 4, 8, 12, 16, 24, 32, 48, 64])
+        print(json.dumps(result, indent=2))
+        if args.save_result:
+            pathlib.Path(args.save_result).write_text(json.dumps(result, indent=2))
+        if args.plot:
+            plot_crossover(result, args.plot)
         return 0
     skip = set(filter(None, args.skip.split(",")))
     result = {"command": " ".join(["bench/gguf_quant.py", *sys.argv[1:]]), "load_start": load_average()}

@@ -128,3 +128,41 @@ def test_offline_engine_run_takes_the_mode(sc, monkeypatch):
     for mode in (None, True, False):
         sc.run_offline("/m", "bfloat16", ["p"], [4], 1, ["w"], mode)
         assert specs[-1]["deterministic"] is mode
+
+
+def test_the_page_and_its_generator_agree(sc, tmp_path, monkeypatch):
+    """docs/benchmarks.md holds each section serve_compare.py writes once,
+    between its markers, where write_doc puts it; writing both sections (as a
+    full run of two servers at concurrency 1 and 16, two repeats, does)
+    changes nothing outside the markers and keeps the page within 500 lines."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(page.splitlines()) <= 500
+    spots = [page.index(m) for m in (sc.BEGIN, sc.END, sc.VBEGIN, sc.VEND)]
+    assert all(page.count(m) == 1 for m in (sc.BEGIN, sc.END, sc.VBEGIN, sc.VEND))
+    assert spots == sorted(spots)
+    # the generated vLLM section is a ### under the serving section's ## heading
+    assert page[spots[0]:spots[1]].lstrip(sc.BEGIN).lstrip().startswith("## Serving")
+    assert page[spots[2]:spots[3]].lstrip(sc.VBEGIN).lstrip().startswith("### ")
+    runs = {n: {j: {c: [_run(30 * c, 100), _run(32 * c, 120)] for c in (1, 16)} for j in ("platform", "vllm")}
+            for n in ("plinth", "vllm", "transformers")}  # fmt: skip
+    agg = {n: {j: {c: sc.aggregate(rs) for c, rs in bc.items()} for j, bc in bj.items()} for n, bj in runs.items()}
+    info = {"cpu": "Test CPU", "cores": 2, "memory": "1 GiB", "isa": ["avx2"], "device": "cpu", "default_dtype": "bfloat16",
+            "commit": "abc123", "plinth-core": "0", "torch": "0", "vllm": "0.32.0", "omp_bind": "0-1", "python": "3.11",
+            "transformers": "5"}  # fmt: skip
+    args = _args(sc, "--repeats", "2")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(page)
+    monkeypatch.setattr(sc, "DOC", doc)
+    sc.write_doc(sc.section(args, agg, None, [1, 16], info, "CMD", "2026-12-08 00:00 UTC", 60.0), sc.BEGIN, sc.END)
+    vllm = sc.vllm_section(args, agg, ["platform", "vllm"], [1, 16], info, None, None, "CMD", "2026-12-08 00:00 UTC", 60.0,
+                           {"plinth": [10.0], "vllm": [40.0]})  # fmt: skip
+    sc.write_doc(vllm, sc.VBEGIN, sc.VEND, after=(sc.END,))
+    new = doc.read_text()
+    assert len(new.splitlines()) <= 500, len(new.splitlines())
+
+    def outside(text: str) -> str:
+        head, rest = text.split(sc.BEGIN, 1)
+        middle, tail = rest.split(sc.END, 1)[1].split(sc.VBEGIN, 1)
+        return head + middle + tail.split(sc.VEND, 1)[1]
+
+    assert outside(new) == outside(page)
