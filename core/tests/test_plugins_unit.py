@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plinth.api import AcceleratorDescriptor, BackendDescriptor, PluginError, SelectionContext, hookimpl  # noqa: E402
+from plinth.api import (  # noqa: E402
+    Accelerator,
+    AcceleratorDescriptor,
+    AcceleratorInfo,
+    BackendDescriptor,
+    PluginError,
+    SelectionContext,
+    hookimpl,
+)
 from plinth.plugins import (  # noqa: E402
     BLOCKED,
     FAILED,
@@ -23,6 +31,7 @@ from plinth.plugins import (  # noqa: E402
     _api_compatible,
     _matches,
     _split_patterns,
+    stub_methods,
 )
 from plugin_fakes import accel, plugin_module, registry_of  # noqa: E402
 
@@ -303,3 +312,54 @@ def test_discovery_honours_the_environment_lists(monkeypatch: pytest.MonkeyPatch
     # an explicit list (the CLI flag) wins over the environment
     reg = PluginRegistry.discover(block="")
     assert "cuda" in reg.names("accelerator")
+
+
+# ---- scaffold stubs: methods that only raise NotImplementedError ----------------
+
+
+class _Stubbed(Accelerator):
+    device_type = "cpu"
+
+    def info(self) -> AcceleratorInfo:
+        """The contract, as a scaffold writes it."""
+        raise NotImplementedError("_Stubbed.info(): not implemented yet")
+
+    def memory(self, index: int = 0) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @classmethod
+    def helper(cls) -> int:
+        raise NotImplementedError()
+
+    def written(self) -> int:
+        if self.device_type:
+            raise NotImplementedError("only sometimes")
+        return 1
+
+
+class _HalfDone(_Stubbed):
+    def info(self) -> AcceleratorInfo:
+        return AcceleratorInfo("cpu", "gloo", 1, dtypes=("float32",), default_dtype="float32")
+
+
+def test_stub_methods_are_those_that_only_raise_not_implemented() -> None:
+    assert stub_methods(_Stubbed) == ["_Stubbed.helper", "_Stubbed.info", "_Stubbed.memory"]
+    # a subclass that writes one keeps the others; plinth's own bases (whose
+    # abstract methods raise NotImplementedError) are never the plugin's stubs
+    assert stub_methods(_HalfDone) == ["_HalfDone.helper", "_HalfDone.memory"]
+    assert stub_methods(type(accel_impl())) == []
+
+
+def accel_impl() -> Accelerator:
+    return PluginRegistry.discover(allow="cpu", block="").get("accelerator", "cpu").load()()
+
+
+def test_a_plugin_with_stubs_is_unavailable_naming_them_and_never_chosen() -> None:
+    module = sys.modules[__name__]
+    reg = registry_of(("vendor-stub", "0.1.0", plugin_module("stub", accel("stubby", impl=f"{module.__name__}:_Stubbed"))))
+    entry = reg.get("accelerator", "stubby")
+    reasons = entry.evaluate(CTX)
+    assert entry.status == UNAVAILABLE
+    assert reasons == ["not implemented yet: _Stubbed.helper, _Stubbed.info, _Stubbed.memory (only raise NotImplementedError)"]
+    with pytest.raises(PluginError, match="not implemented yet: _Stubbed.helper"):
+        reg.select("accelerator", "stubby", CTX)

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from typing import Any, Callable, Sequence
 
@@ -389,6 +390,65 @@ def cmd_plugins(args: argparse.Namespace, registry: PluginRegistry) -> int:
     return 1 if registry.duplicates() else 0
 
 
+def add_plugins_subcommands(plugins: argparse.ArgumentParser) -> None:
+    """`platform plugins new` and `platform plugins check` (`platform plugins` alone lists)."""
+    from plinth.scaffold import KINDS
+
+    sub = plugins.add_subparsers(dest="plugins_command", metavar="{new,check}")
+    new = sub.add_parser(
+        "new", help="write a new plugin distribution to fill in", description="Write plinth-plugin-NAME: a complete, "
+        "installable plugin of CATEGORY whose contract methods raise NotImplementedError until you write them.",
+    )  # fmt: skip
+    new.add_argument("category", choices=tuple(KINDS))
+    new.add_argument("name", help="the plugin's name (--device NAME, --backend NAME, ...)")
+    new.add_argument("--dir", default=None, metavar="PATH", help="the folder to write (default: ./plinth-plugin-NAME)")
+    new.set_defaults(_run=cmd_plugins_new)
+    check = sub.add_parser(
+        "check", help="run the conformance kit on an installed plugin and print a report to publish",
+        description="Run the conformance kit for the plugin's categories on this machine (it installs nothing) and "
+        "print what passed, failed and was skipped, with why; exit 1 on any failure.",
+    )  # fmt: skip
+    check.add_argument("plugin", metavar="PATH_OR_NAME", help="a plugin's source folder (installed), its distribution or its name")
+    check.add_argument("--json", action="store_true", help="the report as JSON")
+    check.add_argument("--device", default="auto", help="the accelerator the checks compute on (default: auto)")
+    check.add_argument(
+        "--dtype", action="append", default=None, metavar="DTYPE",
+        help="a dtype to check (repeat or comma-separate; default: every dtype the accelerator offers)",
+    )  # fmt: skip
+    check.add_argument("--model", default=None, metavar="PATH", help="model loaders: the checkpoint to build (default: a tiny random one)")
+    check.add_argument("--config", default=None, metavar="JSON", help="KV connectors: their config; proposers: their options")
+    check.set_defaults(_run=cmd_plugins_check)
+
+
+def cmd_plugins_new(args: argparse.Namespace, registry: PluginRegistry) -> int:
+    from plinth.scaffold import generate
+
+    files = generate(args.category, args.name, args.dir)
+    root = files[0].parent
+    print(f"wrote {root} ({len(files)} files). Next:")
+    print(f"  pip install -e {root}\n  platform plugins\n  platform plugins check {root}")
+    return 0
+
+
+def cmd_plugins_check(args: argparse.Namespace, registry: PluginRegistry) -> int:
+    from plinth.testing.certify import certify
+
+    dtypes = [d.strip() for text in args.dtype or () for d in text.split(",") if d.strip()] or None
+    command = ["platform", "plugins", "check", args.plugin] + (["--device", args.device] if args.device != "auto" else [])
+    command += [f"--dtype={d}" for d in dtypes or ()] + ([f"--model={args.model}"] if args.model else [])
+    command += [f"--config={args.config}"] if args.config else []
+    report = certify(
+        args.plugin, device=args.device, dtypes=dtypes, model=args.model, config=_json_option(args, "config"),
+        command=shlex.join(command),
+    )  # fmt: skip
+    if args.json:
+        json.dump(report.as_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print(report.text())
+    return 0 if report.passed else 1
+
+
 def _api_version() -> str:
     from plinth.api import PLUGIN_API_VERSION
 
@@ -455,6 +515,7 @@ def build_parser(registry: PluginRegistry) -> argparse.ArgumentParser:
             help=f"the {category.replace('_', ' ')} plugin to check (default: {default or 'none'})",
         )
     p.set_defaults(_run=cmd_plugins)
+    add_plugins_subcommands(p)
     for name, (module, func, help_text) in SUBCOMMANDS.items():
         mod = importlib.import_module(module)
         sp = sub.add_parser(name, parents=[common], help=help_text, description=help_text)

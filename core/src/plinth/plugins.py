@@ -17,11 +17,15 @@ so nothing here is on the hot path.
 
 from __future__ import annotations
 
+import ast
 import fnmatch
+import functools
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import os
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -139,6 +143,9 @@ class PluginEntry:
         except Exception as exc:
             self.status, self.reasons = FAILED, [f"check() raised {type(exc).__name__}: {exc}"]
             return list(self.reasons)
+        stubs = stub_methods(impl)
+        if stubs:  # a scaffold (`platform plugins new`) not filled in yet: never chosen
+            reasons = [f"not implemented yet: {', '.join(stubs)} (only raise NotImplementedError)", *reasons]
         self.status, self.reasons = (UNAVAILABLE, reasons) if reasons else (OK, [])
         return reasons
 
@@ -152,6 +159,46 @@ class PluginEntry:
             reasons=list(self.reasons),
         )
         return d
+
+
+def stub_methods(cls: type) -> list[str]:
+    """The methods a plugin's class defines whose body (past a docstring) is
+    only ``raise NotImplementedError(...)``: what ``platform plugins new``
+    generates for the contract's methods, so a scaffold shows as unavailable,
+    naming them, until each is written. Methods of plinth's own classes are
+    not the plugin's and are never listed."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.split(".")[0] == "plinth":
+            seen.update(vars(klass))
+            continue
+        for name, raw in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+            if inspect.isfunction(fn) and _only_raises_not_implemented(fn):
+                out.append(f"{cls.__name__}.{name}")
+    return sorted(out)
+
+
+@functools.cache
+def _only_raises_not_implemented(fn: Any) -> bool:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):  # no source to read (a compiled module): taken as written
+        return False
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    body = list(node.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+        body = body[1:]
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+        return False
+    exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+    return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
 
 
 def _split_patterns(text: str | Sequence[str] | None) -> list[str]:

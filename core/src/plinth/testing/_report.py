@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 class ConformanceError(AssertionError):
     """A plugin broke the contract; the message lists every problem found.
 
-    An ``AssertionError``, so pytest shows it as a test failure with the text.
+    An ``AssertionError``, so pytest shows it as a test failure with the text;
+    ``report`` is the whole ``Report`` (what passed and was skipped too).
     """
+
+    report: Report | None = None
 
 
 @dataclass
@@ -48,7 +51,9 @@ class Report:
     def raise_for_problems(self) -> Report:
         if self.problems:
             lines = "\n".join(f"  - {p}" for p in self.problems)
-            raise ConformanceError(f"{self.subject} does not conform to the plinth plugin contract:\n{lines}")
+            error = ConformanceError(f"{self.subject} does not conform to the plinth plugin contract:\n{lines}")
+            error.report = self
+            raise error
         return self
 
     def __str__(self) -> str:

@@ -48,15 +48,18 @@ class IsolatedEnv:
     # ---- creation ------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str], *, core: str | None = None, build_isolation: bool = False) -> IsolatedEnv:
+    def create(
+        cls, path: str | os.PathLike[str], *, core: str | None = None, build_isolation: bool = False, extra: Sequence[str] = ()
+    ) -> IsolatedEnv:
         """A new venv at ``path`` with plinth-core (``core``: a path or a
-        requirement; default ``core_source()``) and its dependencies."""
+        requirement; default ``core_source()``) and its dependencies, and the
+        requirements ``extra`` in the same pip run (``"torch==2.13.0"``)."""
         subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, capture_output=True)
         env = cls(path)
         env.build_isolation = build_isolation
         if not build_isolation:
             env.pip("install", SETUPTOOLS)
-        env.install(core or core_source())
+        env.install(core or core_source(), *extra)
         return env
 
     build_isolation = False

@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name
 from plinth.contract import DESCRIPTOR_TYPES, IMPL_BASES, PLUGIN_API_VERSION, SelectionContext
 from plinth.errors import PluginError
 from plinth.hookspecs import ENTRY_POINT_GROUP
-from plinth.plugins import FAILED, INCOMPATIBLE, PluginEntry, PluginRegistry
+from plinth.plugins import FAILED, INCOMPATIBLE, PluginEntry, PluginRegistry, stub_methods
 from plinth.testing._report import Report
 
 #: Top-level modules an entry-point module (and the registration hooks it
@@ -98,7 +98,9 @@ def check_registration(
       integer priority, a description, a valid API range that includes the
       core's ``PLUGIN_API_VERSION``, and a name no other distribution uses;
     - each ``impl`` path imports, names a subclass of the category's base class,
-      and its ``check(SelectionContext())`` returns a list of non-empty strings;
+      defines no method that only raises ``NotImplementedError`` (a scaffold's
+      stub: each is named), and its ``check(SelectionContext())`` returns a
+      list of non-empty strings;
     - (``cheap_import``) see ``check_cheap_import``.
 
     Returns the ``Report``; raises ``ConformanceError`` listing every problem
@@ -184,6 +186,12 @@ def _check_entry(report: Report, registry: PluginRegistry, entry: PluginEntry) -
         return
     base = IMPL_BASES[entry.category]
     report.ok(f"{label}: impl {d.impl} imports and subclasses plinth.api.{base.__name__}")
+    stubs = stub_methods(impl)
+    report.expect(
+        not stubs,
+        f"{label}: every method it defines is implemented",
+        f"not implemented yet: {', '.join(stubs)} (only raise NotImplementedError)",
+    )
     try:
         reasons = impl.check(SelectionContext())
     except Exception as exc:

@@ -1,0 +1,522 @@
+"""``platform plugins new CATEGORY NAME``: a plugin distribution to fill in.
+
+It writes a complete, installable distribution ``plinth-plugin-NAME``: a
+pyproject (the entry point, the plugin API range, a ``runtime`` extra for
+the vendor's libraries), a README, the entry-point module registering the
+descriptor, an implementation whose every method the contract requires is
+there and raises ``NotImplementedError`` naming what it must do, and the
+conformance test, wired. Until each such method is written the core lists
+the plugin as unavailable, naming them (``plinth.plugins.stub_methods``),
+and the kit fails naming them. The files pass the project's ruff and
+pyright settings as they are generated.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+from plinth.errors import ConfigError
+
+#: what a name may be: it becomes a distribution, a package and an entry point
+NAME_RE = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One category ``platform plugins new`` knows."""
+
+    category: str
+    summary: str  # "an accelerator plugin"
+    module: str  # the implementation module's name
+    torch: bool  # the implementation computes with torch (a dependency)
+    #: the methods a new plugin must write, for the README
+    todo: tuple[str, ...]
+    files: dict[str, str]  # path (templated) -> template
+
+
+def api_range(version: str) -> str:
+    """The range a new plugin supports: the core's plugin API major version,
+    from its current minor on (what it was written against)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return f">={major}.{minor},<{major + 1}"
+
+
+def core_requirement(version: str) -> str:
+    """plinth-core as a dependency: its 0.x minor (0.x minors may break) or major."""
+    parts = [int(x) for x in re.findall(r"\d+", version)[:2]] + [0, 0]
+    major, minor = parts[0], parts[1]
+    return f"plinth-core>={major}.{minor},<{major}.{minor + 1}" if major == 0 else f"plinth-core>={major}.{minor},<{major + 1}"
+
+
+def class_prefix(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in re.split(r"[-_]", name))
+
+
+def generate(category: str, name: str, dest: str | Path | None = None) -> list[Path]:
+    """Write the distribution for ``category`` / ``name`` into ``dest``
+    (default ``./plinth-plugin-NAME``); returns the files written.
+    Refuses an unknown category, a bad name, or a folder that has files."""
+    from plinth import __version__
+    from plinth.contract import PLUGIN_API_VERSION
+
+    kind = KINDS.get(category)
+    if kind is None:
+        raise ConfigError(f"unknown category {category!r}; `platform plugins new` takes one of: {', '.join(KINDS)}")
+    if not NAME_RE.match(name):
+        raise ConfigError(
+            f"plugin name {name!r}: use lower-case letters and digits, words joined by '-' or '_', starting with a "
+            "letter (it becomes the distribution plinth-plugin-NAME, the package plinth_plugin_NAME and the entry point)"
+        )
+    dist = f"plinth-plugin-{name}"
+    root = Path(dest) if dest else Path.cwd() / dist
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise ConfigError(f"{root} already exists and is not an empty folder: choose another with --dir")
+    values = {
+        "name": name,
+        "ident": name.replace("-", "_"),
+        "dist": dist,
+        "pkg": "plinth_plugin_" + name.replace("-", "_"),
+        "Cls": class_prefix(name),
+        "api": api_range(PLUGIN_API_VERSION),
+        "api_version": PLUGIN_API_VERSION,
+        "core": core_requirement(__version__),
+        "summary": kind.summary,
+        "category": kind.category,
+        "module": kind.module,
+        "deps": ", ".join(f'"{d}"' for d in [core_requirement(__version__), *(["torch>=2.4"] if kind.torch else [])]),
+    }
+    values["todo"] = "\n".join(f"* {Template(t).substitute(values)}" for t in kind.todo)
+    files = {**COMMON, **kind.files}
+    written = []
+    for path, text in files.items():
+        target = root / Template(path).substitute(values)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(Template(text).substitute(values))
+        written.append(target)
+    return written
+
+
+# ---------------------------------------------------------------------------
+# files every category has
+# ---------------------------------------------------------------------------
+
+PYPROJECT = '''\
+[build-system]
+requires = ["setuptools>=77"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "$dist"
+version = "0.1.0"
+description = "plinth $category plugin: $name"
+readme = "README.md"
+requires-python = ">=3.10"
+license = "Apache-2.0"
+# the plugin API range it was written against is the descriptor's `api` ($api, in plugin.py)
+dependencies = [$deps]
+
+[project.optional-dependencies]
+# the vendor's own libraries (a torch extension, an SDK): `pip install "$dist[runtime]"`
+# where the hardware is; without them the plugin still installs and says what is missing
+runtime = []
+test = ["pytest>=8"]
+
+[project.entry-points."plinth.plugins"]
+$name = "$pkg.plugin"
+
+[tool.setuptools.packages.find]
+where = ["src"]
+
+[tool.pytest.ini_options]
+testpaths = ["tests"]
+'''
+
+README = '''\
+# $dist
+
+A plinth $category plugin, `$name` (made by `platform plugins new $category $name`;
+plinth plugin API $api).
+
+    pip install -e .                  # add [runtime] where the vendor libraries are
+    platform plugins                  # lists $name, and why it is unavailable
+    platform plugins check .          # the conformance kit on this machine: a report to publish
+    pytest                            # the same kit as tests
+
+## To do
+
+The methods below raise `NotImplementedError`; their docstrings are the
+contract. While one is left, `platform plugins` shows the plugin as
+unavailable ("not implemented yet: ...") and the checks fail naming it.
+
+$todo
+
+docs/plugins.md in the plinth repository has the contract of each category
+and a walk-through.
+'''
+
+INIT = '''\
+"""$dist: a plinth $category plugin."""
+'''
+
+COMMON = {
+    "pyproject.toml": PYPROJECT,
+    "README.md": README,
+    "src/$pkg/__init__.py": INIT,
+}
+
+
+# ---------------------------------------------------------------------------
+# accelerator
+# ---------------------------------------------------------------------------
+
+ACCELERATOR_PLUGIN = '''\
+"""Entry point: registers the accelerator. Every `platform` command imports
+this on every machine, so it imports nothing but plinth.api (no torch, no
+vendor runtime); the implementation is named lazily in `impl`."""
+
+from plinth.api import AcceleratorDescriptor, hookimpl
+
+
+@hookimpl
+def plinth_register_accelerators() -> list[AcceleratorDescriptor]:
+    return [
+        AcceleratorDescriptor(
+            name="$name",
+            impl="$pkg.accelerator:${Cls}Accelerator",
+            # `--device auto` takes the highest priority that can run: cuda 100, ascend 90, tpu 80, xpu 70, cpu 0
+            priority=50,
+            api="$api",
+            description="$name devices",
+        )
+    ]
+'''
+
+ACCELERATOR_IMPL = '''\
+"""The $name accelerator: a device platform for plinth (`--device $name`).
+
+`check` must stay cheap and import no vendor runtime; the other methods run
+after the plugin was chosen and may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
+
+
+class ${Cls}Accelerator(Accelerator):
+    #: the torch device type your runtime registers (PyTorch's PrivateUse1 name, or "cuda", "xpu", "cpu", ...)
+    device_type = "$ident"
+    #: the torch.distributed backend its collectives register as ("nccl", "hccl", "gloo", ...)
+    dist_backend = "gloo"
+
+    @classmethod
+    def check(cls, ctx: SelectionContext) -> list[str]:
+        """Why $name cannot run here, one sentence a user can act on each
+        ("torch_$ident is not installed (pip install '$dist[runtime]')", "no
+        $name device is visible"); empty means it can. Probe without importing
+        the runtime: importlib.util.find_spec, device nodes, environment."""
+        return []
+
+    def info(self) -> AcceleratorInfo:
+        """What `platform plugins` and the engine learn of the device: an
+        AcceleratorInfo(device_type=..., dist_backend=... (as above),
+        device_count, device_name, capability, fp8 ("native", "weight_only" or
+        "none"), memory_total of device 0, dtypes (torch names) with
+        default_dtype among them, isa, preferred_backends)."""
+        raise NotImplementedError("${Cls}Accelerator.info(): not implemented yet (return an AcceleratorInfo)")
+
+    def memory(self, index: int = 0) -> tuple[int, int]:
+        """(free, total) bytes of device `index`, 0 < free <= total: it sizes the KV page pool."""
+        raise NotImplementedError("${Cls}Accelerator.memory(): not implemented yet (return (free, total) bytes)")
+
+    def init_process(self, *, local_rank: int, options: Mapping[str, Any]) -> None:
+        """Once in each process before the model loads: bind device `local_rank`,
+        set threads. `options` holds the parsed CLI options (your own too)."""
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (benchmarks and timing use it)."""
+'''
+
+ACCELERATOR_TEST = '''\
+"""$name against the conformance kit: registration, a cheap entry point,
+and (where $name is available) the device checks."""
+
+from plinth.testing import AcceleratorConformance
+
+
+class TestConformance(AcceleratorConformance):
+    name = "$name"
+    # set PLINTH_REQUIRE_ACCELERATORS=$name on a machine with the device, so
+    # that "unavailable" fails there instead of skipping
+'''
+
+
+# ---------------------------------------------------------------------------
+# a2a
+# ---------------------------------------------------------------------------
+
+A2A_PLUGIN = '''\
+"""Entry point: registers the MoE all-to-all; imports nothing but plinth.api."""
+
+from plinth.api import A2ADescriptor, hookimpl
+
+
+@hookimpl
+def plinth_register_a2a() -> list[A2ADescriptor]:
+    return [
+        A2ADescriptor(
+            name="$name",
+            impl="$pkg.a2a:${Cls}AllToAll",
+            priority=0,
+            api="$api",
+            description="$name MoE all-to-all",
+        )
+    ]
+'''
+
+A2A_IMPL = '''\
+"""The $name MoE all-to-all (`--a2a $name`): dispatch tokens to the ranks
+that own their experts, combine the experts' outputs back.
+
+Rank r of the group owns the global experts `expert_ranges(E, size)[r]`.
+Every rank calls dispatch and combine the same number of times in the same
+order (a rank without tokens passes empty tensors), and chooses kernels only
+from `decode` and sizes fixed at construction, never from local data alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from plinth.api import AllToAll, DispatchedTokens, SelectionContext
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ${Cls}AllToAll(AllToAll):
+    @classmethod
+    def check(cls, ctx: SelectionContext) -> list[str]:
+        """Every reason it cannot run the planned layout (`ctx.layout`, a
+        PlannedLayout: world, ep, device type, hidden size, experts, top-k;
+        None in `platform plugins`). Imports no vendor library."""
+        return []
+
+    def __init__(self, ctx: SelectionContext, *, group: Any, num_experts: int, hidden_size: int) -> None:
+        super().__init__(ctx, group=group, num_experts=num_experts, hidden_size=hidden_size)
+        # import the vendor library here; refuse (raise) what it cannot split
+
+    def reserve_buffers(self) -> int:
+        """Allocate the communication buffers (every rank together, before
+        the weights load) and return their device bytes."""
+        return 0
+
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, decode: bool
+    ) -> tuple[DispatchedTokens, Any]:
+        """hidden [T, H], topk_ids [T, K] global expert ids, topk_weights [T, K]
+        -> (DispatchedTokens("flat", x [N, H], counts [E_local], local topk_ids
+        with -1 for other ranks' experts, topk_weights), a handle for combine)
+        or the "padded" layout [E_local, M, H] (docs/plugins.md, "Writing an
+        a2a plugin")."""
+        raise NotImplementedError("${Cls}AllToAll.dispatch(): not implemented yet (send tokens to their experts' ranks)")
+
+    def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """The experts' output in dispatch's layout -> [T, H] for this rank's
+        tokens: the sum over top-k of weight x expert output, in expert_out's dtype."""
+        raise NotImplementedError("${Cls}AllToAll.combine(): not implemented yet (bring the outputs back and sum them)")
+'''
+
+A2A_TEST = '''\
+"""$name against the conformance kit: registration, a cheap entry point, and
+dispatch/combine round trips on real processes (gloo on CPU)."""
+
+from plinth.testing import A2AConformance
+
+
+class TestConformance(A2AConformance):
+    name = "$name"
+    worlds = (2,)  # group sizes to run; add 4 where the machine has the ranks
+'''
+
+
+# ---------------------------------------------------------------------------
+# kv_connector
+# ---------------------------------------------------------------------------
+
+KV_PLUGIN = '''\
+"""Entry point: registers the KV connector; imports nothing but plinth.api."""
+
+from plinth.api import KVConnectorDescriptor, hookimpl
+
+
+@hookimpl
+def plinth_register_kv_connectors() -> list[KVConnectorDescriptor]:
+    return [
+        KVConnectorDescriptor(
+            name="$name",
+            impl="$pkg.connector:${Cls}Connector",
+            priority=0,
+            api="$api",
+            description="KV pages in the $name store",
+        )
+    ]
+'''
+
+KV_IMPL = '''\
+"""The $name KV connector (`--kv-connector $name`): plain blocking calls on
+bytes. The core runs them on its own threads under a deadline, builds the
+keys, writes and checks a header on every value and keeps the counters: a
+connector never returns bytes it is not sure of (a miss is always safe)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from plinth.api import KVConnector, KVLayout, SelectionContext
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ${Cls}Connector(KVConnector):
+    @classmethod
+    def check(cls, ctx: SelectionContext) -> list[str]:
+        """Why it cannot run here (a missing client library), without importing it."""
+        return []
+
+    def __init__(self, ctx: SelectionContext, *, config: Mapping[str, Any], layout: KVLayout) -> None:
+        super().__init__(ctx, config=config, layout=layout)
+        # read your options from self.config (--kv-connector-config); connect lazily if connecting can block
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, the store holds."""
+        raise NotImplementedError("${Cls}Connector.lookup(): not implemented yet (count the leading keys stored)")
+
+    def load(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> Sequence[int]:
+        """Read keys[i]'s value into buffers[i] (a uint8 CPU tensor of
+        layout.value_bytes); per key the bytes read, <= 0 for a miss."""
+        raise NotImplementedError("${Cls}Connector.load(): not implemented yet (read each value into its buffer)")
+
+    def save(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> None:
+        """Store each value (a uint8 CPU tensor the core reuses: copy it) under its key; raise on failure."""
+        raise NotImplementedError("${Cls}Connector.save(): not implemented yet (store each value under its key)")
+
+    def health(self) -> tuple[bool, str]:
+        """(reachable, why not): the circuit breaker's probe; may try to reconnect."""
+        return True, "ok"
+'''
+
+KV_TEST = '''\
+"""$name against the conformance kit: save, lookup and load round trips
+through the core's KVTransfer; corrupt, truncated and foreign values missed;
+a store that raises or stalls never stalls the caller."""
+
+from typing import Any
+
+from plinth.testing import KVConnectorConformance
+
+
+class TestConformance(KVConnectorConformance):
+    name = "$name"
+
+    def connector_config(self) -> dict[str, Any]:
+        return {}  # what --kv-connector-config would hold to reach a test store
+'''
+
+
+# ---------------------------------------------------------------------------
+# proposer
+# ---------------------------------------------------------------------------
+
+PROPOSER_PLUGIN = '''\
+"""Entry point: registers the speculative proposer; imports nothing but plinth.api."""
+
+from plinth.api import ProposerDescriptor, hookimpl
+
+
+@hookimpl
+def plinth_register_proposers() -> list[ProposerDescriptor]:
+    return [
+        ProposerDescriptor(
+            name="$name",
+            impl="$pkg.proposer:${Cls}Proposer",
+            priority=0,
+            api="$api",
+            description="$name speculative proposals",
+        )
+    ]
+'''
+
+PROPOSER_IMPL = '''\
+"""The $name proposer (`--speculative-method $name`): up to k tokens per
+sequence and step, which the target model verifies in one forward. It
+changes speed, never output: propose greedy picks, never samples."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from plinth.api import ProposeItem, Proposer, SelectionContext
+
+
+class ${Cls}Proposer(Proposer):
+    @classmethod
+    def check(cls, ctx: SelectionContext) -> list[str]:
+        """What is missing ("--speculative-model is required"); ctx.speculative
+        (a ProposerContext) is None in `platform plugins`."""
+        return []
+
+    # built once at start-up; self.spec is the ProposerContext: k, the target's
+    # config and tokenizer, build_draft_runner(path) for a draft model
+
+    def propose(self, items: Sequence[ProposeItem]) -> list[list[int]]:
+        """Per item, at most item.k token ids (in the vocabulary) to follow
+        item.token_ids; called once per step on the engine thread."""
+        raise NotImplementedError("${Cls}Proposer.propose(): not implemented yet (up to item.k greedy ids per item)")
+
+    def free(self, key: int) -> None:
+        """Sequence `key` ended: drop what you keep for it."""
+'''
+
+PROPOSER_TEST = '''\
+"""$name against the conformance kit: proposals over growing, rolled-back and
+repeated sequences from a proposer built as the engine builds it."""
+
+from plinth.testing import ProposerConformance
+
+
+class TestConformance(ProposerConformance):
+    name = "$name"
+'''
+
+
+KINDS: dict[str, Kind] = {
+    "accelerator": Kind(
+        "accelerator", "an accelerator plugin (a device platform, `--device`)", "accelerator", True,
+        ("`${Cls}Accelerator.info()` in src/$pkg/accelerator.py", "`${Cls}Accelerator.memory()`",
+         "`check()`: the reasons it cannot run here (it says none yet)", "`device_type` and `dist_backend`"),
+        {"src/$pkg/plugin.py": ACCELERATOR_PLUGIN, "src/$pkg/accelerator.py": ACCELERATOR_IMPL,
+         "tests/test_conformance.py": ACCELERATOR_TEST},
+    ),
+    "a2a": Kind(
+        "a2a", "an MoE all-to-all plugin (`--a2a`)", "a2a", True,
+        ("`${Cls}AllToAll.dispatch()` in src/$pkg/a2a.py", "`${Cls}AllToAll.combine()`"),
+        {"src/$pkg/plugin.py": A2A_PLUGIN, "src/$pkg/a2a.py": A2A_IMPL, "tests/test_conformance.py": A2A_TEST},
+    ),
+    "kv_connector": Kind(
+        "kv_connector", "a KV connector plugin (`--kv-connector`)", "connector", True,
+        ("`${Cls}Connector.lookup()` in src/$pkg/connector.py", "`${Cls}Connector.load()`", "`${Cls}Connector.save()`"),
+        {"src/$pkg/plugin.py": KV_PLUGIN, "src/$pkg/connector.py": KV_IMPL, "tests/test_conformance.py": KV_TEST},
+    ),
+    "proposer": Kind(
+        "proposer", "a speculative-decoding proposer plugin (`--speculative-method`)", "proposer", False,
+        ("`${Cls}Proposer.propose()` in src/$pkg/proposer.py",),
+        {"src/$pkg/plugin.py": PROPOSER_PLUGIN, "src/$pkg/proposer.py": PROPOSER_IMPL, "tests/test_conformance.py": PROPOSER_TEST},
+    ),
+}
