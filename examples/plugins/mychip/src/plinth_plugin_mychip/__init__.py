@@ -1,0 +1,1 @@
+"""plinth-plugin-mychip: a plinth accelerator plugin."""

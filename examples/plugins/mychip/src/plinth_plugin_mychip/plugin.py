@@ -1,0 +1,19 @@
+"""Entry point: registers the accelerator. Every `platform` command imports
+this on every machine, so it imports nothing but plinth.api (no torch, no
+vendor runtime); the implementation is named lazily in `impl`."""
+
+from plinth.api import AcceleratorDescriptor, hookimpl
+
+
+@hookimpl
+def plinth_register_accelerators() -> list[AcceleratorDescriptor]:
+    return [
+        AcceleratorDescriptor(
+            name="mychip",
+            impl="plinth_plugin_mychip.accelerator:MychipAccelerator",
+            # `--device auto` takes the highest priority that can run: cuda 100, ascend 90, tpu 80, xpu 70, cpu 0
+            priority=50,
+            api=">=1.0,<2",
+            description="mychip devices",
+        )
+    ]
