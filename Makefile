@@ -76,7 +76,7 @@ bench: setup
 	$(VENV)/bin/platform bench offline
 
 lint: setup typecheck
-	$(PY) -m ruff check core plugins tests bench
+	$(PY) -m ruff check core plugins tests bench examples
 
 # pyright (its settings: [tool.pyright] in pyproject.toml); its first run
 # fetches its npm package, later runs use the cached one

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -26,14 +27,18 @@ def free_port() -> int:
 class Proc:
     """One server process; its log goes to a file (read on failure)."""
 
-    def __init__(self, args: list[str], log_path: str, *, wait_s: float = 120.0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], log_path: str, *, wait_s: float = 120.0, env: dict[str, str] | None = None,
+        platform: str = PLATFORM, base_env: Mapping[str, str] = os.environ,
+    ) -> None:  # fmt: skip
+        """``platform``: another environment's console script, run with ``base_env`` (that environment's) plus ``env``."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [PLATFORM, *args, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            [platform, *args, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**base_env, **(env or {})},
         )
         end = time.monotonic() + wait_s
         while True:
