@@ -126,7 +126,7 @@ def run_variant(name: str, backend: str, compiled: bool, args: argparse.Namespac
         body = torch.compile(step_eager_body, dynamic=False)
         t0, c0 = time.perf_counter(), time.thread_time()
         with torch.inference_mode():
-            runner.ops.prepare_attention(meta)
+            runner.prepare(meta)
             body(input_ids, meta.positions, runner.kv_caches, meta)
         out["compile_wall_s"] = round(time.perf_counter() - t0, 1)
         out["compile_cpu_s"] = round(time.thread_time() - c0, 1)
@@ -137,7 +137,7 @@ def run_variant(name: str, backend: str, compiled: bool, args: argparse.Namespac
 
     def step() -> Any:
         with torch.inference_mode():
-            runner.ops.prepare_attention(meta)
+            runner.prepare(meta)
             return body(input_ids, meta.positions, runner.kv_caches, meta)
 
     with torch.inference_mode():

@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--pool-pages", type=int, default=0,
                    help="pages in each layer's pool, the tables' pages drawn from them at random (default: what the batch needs)")
     p.add_argument("--large-pages", action="store_true",
-                   help="the pools on 2 MB pages, as the backend's allocate_kv_cache gives them (default: torch's allocator)")
+                   help="the pools on 2 MB pages, as cpukernels' attention backend allocates them (default: torch's allocator)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--round-time", type=float, default=0.05, help="CPU seconds per round and copy")
     args = p.parse_args()

@@ -98,16 +98,16 @@ def engine_throughput(path: str, args: argparse.Namespace) -> dict:
 def mla_decode_times(shape: dict, batch: int, context: int, dtype, repeats: int) -> dict:
     """ms per decode step of one layer's attention, absorbed and expanded."""
     import torch
-    from plinth.api import AttentionMetadata, OpTable, SelectionContext
-    from plinth_plugin_deepseek.mla import MLALatentSpec, mla_decode, mla_prefill
-    from plinth_plugin_torch.backend import TorchBackend
+    from plinth.api import AttentionMetadata, SelectionContext
+    from plinth_plugin_deepseek.mla import MLALatentSpec, latent_pages, mla_decode, mla_prefill
+    from plinth_plugin_torch.attention import TorchAttention
 
     heads, dn, dr, dv, rank = (shape[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"))
     page = 16
     pages_each = -(-context // page)
-    ops = OpTable(TorchBackend(SelectionContext()).ops())
+    attention = TorchAttention(SelectionContext())
     spec = MLALatentSpec(rank, dr)
-    cache = ops.allocate_kv_cache(num_pages=batch * pages_each, page_size=page, dtype=dtype, device=torch.device("cpu"), **spec.allocation())
+    cache = attention.allocate(num_pages=batch * pages_each, page_size=page, dtype=dtype, device=torch.device("cpu"), **spec.allocation())
     g = torch.Generator().manual_seed(0)
     cache[0].copy_(torch.randn(cache[0].shape, generator=g).to(dtype))
     tables = torch.arange(batch * pages_each, dtype=torch.int32).view(batch, pages_each)
@@ -124,12 +124,13 @@ def mla_decode_times(shape: dict, batch: int, context: int, dtype, repeats: int)
     args = (r(batch, heads, dn), r(batch, heads, dr), r(batch, rank), r(batch, dr))
     w_uk, w_uv = r(heads, dn, rank) * 0.05, r(heads, dv, rank) * 0.05
     out = {}
+    pages = latent_pages(attention.layout, cache)
     with torch.no_grad():
         for name, op in (("absorbed", mla_decode), ("expanded", mla_prefill)):
-            op(*args, cache, meta, w_uk=w_uk, w_uv=w_uv, scale=0.1)  # warm-up
+            op(*args, pages, meta, w_uk=w_uk, w_uv=w_uv, scale=0.1)  # warm-up
             t0 = time.perf_counter()
             for _ in range(repeats):
-                op(*args, cache, meta, w_uk=w_uk, w_uv=w_uv, scale=0.1)
+                op(*args, pages, meta, w_uk=w_uk, w_uv=w_uv, scale=0.1)
             out[name] = 1000 * (time.perf_counter() - t0) / repeats
     return out
 

@@ -1,7 +1,7 @@
 """Prefill attention in --deterministic mode against the default path, on
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, D=64): one layer's
-attention op for a prompt of N tokens from position 0, through the op tables
-start-up builds (cpukernels: its batch-invariant kernel vs the reference's
+attention for a prompt of N tokens from position 0, through the attention
+backends start-up builds (cpukernels: its batch-invariant kernel vs the reference's
 SDPA; torch: its batch-invariant form vs SDPA).
 
     .venv/bin/python bench/deterministic_attention.py [--tokens 128,512] [--backends cpukernels,torch]
@@ -19,12 +19,12 @@ import time
 import torch
 
 
-def best_time(ops, q, k, v, cache, meta, scale: float, rounds: int) -> float:
+def best_time(attention, q, k, v, cache, meta, scale: float, rounds: int) -> float:
     """Best wall time of one attention call over ``rounds`` (after a warm-up)."""
     times = []
     for _ in range(rounds + 1):
         t = time.perf_counter()
-        ops.attention(q, k, v, cache, meta, scale=scale)
+        attention.forward(q, k, v, cache, meta, scale=scale)
         times.append(time.perf_counter() - t)
     return min(times[1:])
 
@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
 
     from plinth.api import SelectionContext, load_accelerator
-    from plinth.testing import attention_metadata, op_table
+    from plinth.testing import attention_backend, attention_metadata
 
     acc = load_accelerator("cpu")
     hq, hkv, d = 9, 3, 64
@@ -47,7 +47,7 @@ def main() -> None:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for backend in args.backends.split(","):
-            tables = {det: op_table(SelectionContext(accelerator=acc, dtype=dtype, deterministic=det), backend) for det in (False, True)}
+            tables = {det: attention_backend(SelectionContext(accelerator=acc, dtype=dtype, deterministic=det), backend) for det in (False, True)}
             for n in (int(x) for x in args.tokens.split(",")):
                 g = torch.Generator().manual_seed(n)
                 q = torch.randn(n, hq, d, generator=g).to(dtype)
@@ -56,9 +56,9 @@ def main() -> None:
                 pages = -(-n // args.page_size)
                 runs = {}
                 for det, ops in tables.items():
-                    cache = ops.allocate_kv_cache(num_pages=pages, page_size=args.page_size, num_kv_heads=hkv, head_dim=d, v_head_dim=d, dtype=dtype, device=torch.device("cpu"))
+                    cache = ops.allocate(num_pages=pages, page_size=args.page_size, num_kv_heads=hkv, head_dim=d, v_head_dim=d, dtype=dtype, device=torch.device("cpu"))
                     meta = attention_metadata([(0, n)], [list(range(pages))], args.page_size, torch.device("cpu"))
-                    ops.prepare_attention(meta)
+                    meta.plan = ops.build_plan(meta)
                     runs[det] = (ops, cache, meta)
                 # the two paths in turn, round after round: load from other processes hits both
                 ms = {det: float("inf") for det in runs}

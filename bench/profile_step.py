@@ -52,14 +52,17 @@ def instrument(engine: Any, clock: Any) -> dict[str, list[float]]:
         return timed
 
     runner = engine.runner
-    ops = runner.ops
-    for name, fn in list(vars(ops).items()):
-        if callable(fn) and name not in ("pack_linear", "allocate_kv_cache"):
-            setattr(ops, name, wrap(f"op {name}", fn))
     model = runner.model
+    ops = model.ops
+    for name, fn in list(vars(ops).items()):
+        if callable(fn) and name != "pack_linear":
+            setattr(ops, name, wrap(f"op {name}", fn))
+    attention = runner.attention
+    attention.forward = wrap("op attention", attention.forward)
+    runner.prepare = wrap("op attention plan", runner.prepare)
     # the model looked its ops up at load: point it at the wrapped ones
-    if hasattr(model, "qkv_attention"):
-        model.qkv_attention = getattr(ops, "qkv_attention", None)
+    if hasattr(model, "qkv_attention") and model.qkv_attention is not None:
+        model.qkv_attention = wrap("op qkv_attention", model.qkv_attention)
     for layer in getattr(model, "layers", []):
         moe = getattr(layer, "moe", None)
         if moe is not None and hasattr(moe, "ops"):

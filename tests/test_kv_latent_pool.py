@@ -11,7 +11,8 @@ from plinth.engine.config import EngineConfig
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.startup import kv_pool_pages
-from plinth_plugin_torch.attention import allocate_kv_cache
+from plinth.api import SelectionContext
+from plinth_plugin_torch.attention import TorchAttention
 
 mla = pytest.importorskip("plinth_plugin_deepseek.mla")
 
@@ -27,8 +28,7 @@ def test_latent_pool_holds_the_tokens_its_bytes_say(page_size):
     token_bytes = layers * (32 + 8) * 4  # one latent and one rope key per token and layer, no heads
     assert plan.page_bytes == [page_size * token_bytes]
     assert plan.num_pages == (1 << 20) // (page_size * token_bytes)
-    ops = SimpleNamespace(allocate_kv_cache=allocate_kv_cache)
-    runner = ModelRunner(model, ops, SimpleNamespace(num_layers=layers), device=torch.device("cpu"), dtype=dtype,
+    runner = ModelRunner(model, TorchAttention(SelectionContext()), SimpleNamespace(num_layers=layers), device=torch.device("cpu"), dtype=dtype,
                          num_pages=plan.pages, page_size=page_size)
     assert sum(t.numel() * t.element_size() for cache in runner.kv_caches for t in cache if t is not None) <= 1 << 20
     kv = KVCacheManager(runner.kv_groups)

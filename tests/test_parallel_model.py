@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "plugins/mo
 
 import tiny_deepseek  # noqa: E402
 import tiny_moe  # noqa: E402
-from driver import PagedDriver, torch_ops  # noqa: E402
+from driver import PagedDriver, torch_attention, torch_ops  # noqa: E402
 from plinth.api import LoadContext, ModelSource, SelectionContext, load_hf_config  # noqa: E402
 from plinth.engine.parallel import ParallelLayout, init_groups  # noqa: E402
 from plinth.testing import run_ranks  # noqa: E402
@@ -42,7 +42,7 @@ def _load(path: str, ctx_kw: dict):
     loader = DeepseekLoader() if source.architecture == "DeepseekV3ForCausalLM" else LlamaLoader()
     cfg = loader.load_config(source)
     ops = torch_ops()
-    ctx = LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, progress=False, **ctx_kw)
+    ctx = LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, attention=torch_attention(), progress=False, **ctx_kw)
     if callable(ctx.a2a):
         ctx.a2a = ctx.a2a(cfg)
     model = loader.load_model(source, cfg, ctx)
@@ -50,8 +50,8 @@ def _load(path: str, ctx_kw: dict):
 
 
 def _run(model, ops, cfg, my_prompts):
-    logits = PagedDriver(model, ops, cfg, page_size=16).prefill_logits(my_prompts)
-    tokens = PagedDriver(model, ops, cfg, page_size=7, seed=2).greedy(my_prompts, NEW_TOKENS)
+    logits = PagedDriver(model, cfg, page_size=16).prefill_logits(my_prompts)
+    tokens = PagedDriver(model, cfg, page_size=7, seed=2).greedy(my_prompts, NEW_TOKENS)
     return [lg.numpy() for lg in logits], tokens
 
 

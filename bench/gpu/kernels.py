@@ -60,11 +60,14 @@ if ARGS.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit runs
 
 import torch  # noqa: E402
-from plinth.api import AttentionMetadata, QuantizedWeight  # noqa: E402
+from plinth.api import AttentionMetadata, QuantizedWeight, SelectionContext  # noqa: E402
 from plinth_plugin_torch import attention as ref_attn  # noqa: E402
 from plinth_plugin_torch import ops as ref_ops  # noqa: E402
 from plinth_plugin_triton import fp8, moe, norm  # noqa: E402
 from plinth_plugin_triton.attention import build_plan, paged_attention  # noqa: E402
+
+#: the torch backend's attention backend: the reference the kernels are compared with
+REF_ATTENTION = ref_attn.TorchAttention(SelectionContext())
 
 DEV = torch.device("cpu" if ARGS.dry_run else "cuda")
 DRY = ARGS.dry_run
@@ -169,20 +172,20 @@ def decode_attention(copy_gbs: float) -> None:
     batch, ctx, hq, hkv, d, page = (4, 100, 8, 2, 64, 16) if DRY else (64, 4096, 32, 8, 128, 16)
     dtype = torch.bfloat16
     num_pages = batch * -(-ctx // page) + 8
-    k_pages, v_pages = ref_attn.allocate_kv_cache(num_pages=num_pages, page_size=page, num_kv_heads=hkv, head_dim=d, v_head_dim=d, dtype=dtype, device=DEV)
+    k_pages, v_pages = REF_ATTENTION.allocate(num_pages=num_pages, page_size=page, num_kv_heads=hkv, head_dim=d, v_head_dim=d, dtype=dtype, device=DEV)
     k_pages.normal_()
     v_pages.normal_()
     meta = attention_meta([(ctx - 1, 1)] * batch, page, num_pages, gen)
     q = torch.randn(batch, hq, d, device=DEV, dtype=dtype)
     plan = build_plan(meta)
     got = paged_attention(q, k_pages, v_pages, meta, plan, scale=d**-0.5)
-    ref_attn.prepare_attention(meta)
+    meta.plan = REF_ATTENTION.build_plan(meta)
     k_new = ref_attn.token_major(k_pages).reshape(-1, hkv, d).index_select(0, meta.slot_mapping)
     v_new = ref_attn.token_major(v_pages).reshape(-1, hkv, d).index_select(0, meta.slot_mapping)
-    want = ref_attn.attention(q, k_new, v_new, (k_pages, v_pages), meta, scale=d**-0.5)  # rewrites the same values
+    want = REF_ATTENTION.forward(q, k_new, v_new, (k_pages, v_pages), meta, scale=d**-0.5)  # rewrites the same values
     ok, err = compare(got, want, 2e-2)
     ms = bench(lambda: paged_attention(q, k_pages, v_pages, meta, plan, scale=d**-0.5))
-    ms_ref = bench(lambda: ref_attn.attention(q, k_new, v_new, (k_pages, v_pages), meta, scale=d**-0.5), iters=5)
+    ms_ref = bench(lambda: REF_ATTENTION.forward(q, k_new, v_new, (k_pages, v_pages), meta, scale=d**-0.5), iters=5)
     kv_bytes = 2 * batch * ctx * hkv * d * k_pages.element_size()
     gbs = kv_bytes / ms / 1e6
     ROWS.append(Row(f"decode attention B{batch} ctx{ctx} {hq}/{hkv}x{d} page{page}", ok, err, ms,
@@ -196,7 +199,7 @@ def prefill_attention() -> None:
     seqs = [(0, 37), (20, 9), (5, 1), (0, 0)] if DRY else [(0, 2048), (1024, 1024), (3000, 512), (100, 1), (0, 0)]
     dtype = torch.bfloat16
     num_pages = sum(-(-(c + n) // page) for c, n in seqs) + 8
-    k_pages, v_pages = ref_attn.allocate_kv_cache(num_pages=num_pages, page_size=page, num_kv_heads=hkv, head_dim=d, v_head_dim=d, dtype=dtype, device=DEV)
+    k_pages, v_pages = REF_ATTENTION.allocate(num_pages=num_pages, page_size=page, num_kv_heads=hkv, head_dim=d, v_head_dim=d, dtype=dtype, device=DEV)
     k_pages.normal_()
     v_pages.normal_()
     meta = attention_meta(seqs, page, num_pages, gen)
@@ -206,8 +209,8 @@ def prefill_attention() -> None:
     v_new = ref_attn.token_major(v_pages).reshape(-1, hkv, d).index_select(0, meta.slot_mapping)
     plan = build_plan(meta)
     got = paged_attention(q, k_pages, v_pages, meta, plan, scale=d**-0.5)
-    ref_attn.prepare_attention(meta)
-    want = ref_attn.attention(q, k_new, v_new, (k_pages, v_pages), meta, scale=d**-0.5)
+    meta.plan = REF_ATTENTION.build_plan(meta)
+    want = REF_ATTENTION.forward(q, k_new, v_new, (k_pages, v_pages), meta, scale=d**-0.5)
     ok, err = compare(got, want, 2e-2)
     ms = bench(lambda: paged_attention(q, k_pages, v_pages, meta, plan, scale=d**-0.5))
     flops = sum(4 * n * (c + (n + 1) / 2) * hq * d for c, n in seqs)

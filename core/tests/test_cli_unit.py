@@ -78,7 +78,7 @@ def test_platform_help(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plugins_json_in_this_environment(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plugins", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["plugin_api"] == "1.0"
+    assert doc["plugin_api"] == "2.0"
     names = {r["name"] for r in doc["plugins"] if r["category"] == "accelerator"}
     assert {"cpu", "cuda", "ascend", "tpu", "xpu"} <= names
     assert doc["auto"]["accelerator"] == "cpu" or doc["auto"]["accelerator"] in names

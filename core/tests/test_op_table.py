@@ -112,7 +112,7 @@ def test_signature_rules_follow_the_protocol():
     ok = [
         ("linear", lambda x, weight, bias=None, *, extra=0: x),  # an extra parameter with a default is fine
         ("linear", lambda *args, **kwargs: None),
-        ("attention", lambda q, k, v, kv_cache, meta, *, scale, sliding_window=None, logit_cap=None: q),
+        ("fused_moe", lambda x, w13, w2, topk_weights, topk_ids: x),
         ("my_own_op", lambda whatever: whatever),  # a backend's own op: only callable
     ]
     for name, fn in ok:
@@ -120,8 +120,8 @@ def test_signature_rules_follow_the_protocol():
     bad = [
         ("linear", lambda x, weight, bias: x, "requires bias, which callers may omit"),
         ("linear", lambda x, w, bias=None: x, "names parameter 2 'w', not 'weight'"),
-        ("attention", lambda q, k, v, kv_cache, meta, scale: q, "takes no keyword sliding_window"),
-        ("copy_pages", lambda kv_caches, src, dst, stream: None, "requires stream, which callers never pass"),
+        ("rotary", lambda q, k, positions, cos_sin: q, "takes no positional parameter 5 (is_neox)"),
+        ("fused_moe", lambda x, w13, w2, topk_weights, topk_ids, stream: x, "requires stream, which callers never pass"),
         ("rotary", "not callable", "is a str, not a callable"),
     ]
     for name, fn, why in bad:
@@ -151,7 +151,7 @@ def test_a_declined_op_must_not_be_returned():
 def test_the_table_is_plain_attributes_with_declared_capabilities():
     table = OpTable(_any_ops(BASE_OPS), BackendCapabilities(gguf_formats=("Q8_0",), gguf_path="test"))
     assert table.linear is vars(table)["linear"]  # an instance attribute: no lookup per call
-    assert table.qkv_attention is None and table.fused_moe is None
+    assert table.fused_moe is None
     assert set(table.names()) == set(BASE_OPS) and table.capabilities.gguf_formats == ("Q8_0",)
     with pytest.raises(TypeError, match="op name 'capabilities' is reserved"):
         OpTable({"capabilities": lambda: None})
@@ -182,7 +182,11 @@ def test_a_plugin_class_missing_a_required_method_fails_at_load_naming_it():
     assert entry.status == "failed"
 
 
-def test_a_backend_bringing_the_fused_op_must_bring_its_kv_layout():
-    reg = _registry(_any_ops(BASE_OPS), _any_ops(["qkv_attention"]))
-    with pytest.raises(PluginError, match="provides qkv_attention and must then provide allocate_kv_cache, attention too"):
+def test_a_backend_returning_an_attention_op_of_plugin_api_1_is_refused_with_a_pointer():
+    """Since plugin API 2.0 attention and the KV layout are the AttentionBackend's:
+    a 1.x backend's ops() with them fails naming the op and where it went."""
+    reg = _registry(_any_ops(BASE_OPS), _any_ops(["allocate_kv_cache", "linear", "pack_linear"]))
+    with pytest.raises(PluginError, match="op allocate_kv_cache is no compute op since plugin API 2.0: .*AttentionBackend"):
         resolve_ops(reg, reg.get("backend", "fast"), SelectionContext())
+    with pytest.raises(TypeError, match="op qkv_attention is no compute op"):
+        OpTable(_any_ops(["qkv_attention"]))

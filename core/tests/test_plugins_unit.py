@@ -71,7 +71,7 @@ def test_descriptor_validates_name_and_impl_path() -> None:
 
 @pytest.mark.parametrize(
     "spec, ok",
-    [(">=1.0,<2", True), (">=1", True), ("~=1.0", True), (">=2,<3", False), ("<1", False), ("not a spec", False)],
+    [(">=2.0,<3", True), (">=1", True), ("~=2.0", True), (">=1.0,<2", False), (">=3,<4", False), ("<2", False), ("not a spec", False)],
 )
 def test_api_ranges(spec: str, ok: bool) -> None:
     assert _api_compatible(spec)[0] is ok
@@ -184,13 +184,13 @@ def test_duplicate_name_is_an_error_naming_both_distributions() -> None:
 
 def test_incompatible_api_is_shown_and_cannot_be_chosen() -> None:
     reg = registry_of(
-        ("new", "9", plugin_module("n", accel("future", api=">=2,<3", priority=99))),
+        ("new", "9", plugin_module("n", accel("future", api=">=3,<4", priority=99))),
         ("old", "1", plugin_module("o", accel("present"))),
     )
     row = next(r for r in reg.report() if r["name"] == "future")
-    assert row["status"] == INCOMPATIBLE and row["reasons"] == ["supports plugin API >=2,<3, core provides 1.0"]
+    assert row["status"] == INCOMPATIBLE and row["reasons"] == ["supports plugin API >=3,<4, core provides 2.0"]
     assert reg.select("accelerator", "auto", CTX).name == "present"
-    with pytest.raises(PluginError, match="supports plugin API >=2,<3"):
+    with pytest.raises(PluginError, match="supports plugin API >=3,<4"):
         reg.select("accelerator", "future", CTX)
 
 

@@ -15,10 +15,9 @@ in the window changes the output.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import torch
-from plinth.api import FullAttentionSpec, ModelConfig, SlidingWindowSpec
+from plinth.api import PAGES_FIRST, AttentionBackend, AttentionPlan, FullAttentionSpec, ModelConfig, SelectionContext, SlidingWindowSpec
 from plinth.engine.engine import LLMEngine
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
@@ -45,7 +44,7 @@ def reference(prompt: list[int], max_tokens: int, *, eos: bool = True, window: i
     return out
 
 
-def _attention(q, k, v, kv_cache, meta, *, sliding_window=None, **_):
+def _attention(q, k, v, kv_cache, meta, *, sliding_window=None):
     k_pages, v_pages = kv_cache
     ps = meta.page_size
     flat = v_pages.view(-1, *v_pages.shape[2:])
@@ -63,33 +62,34 @@ def _attention(q, k, v, kv_cache, meta, *, sliding_window=None, **_):
     return out
 
 
-def _copy_pages(kv_caches, src, dst):
-    for k, v in kv_caches:
-        k[dst] = k[src]
-        v[dst] = v[src]
+class ToyAttention(AttentionBackend[AttentionPlan]):
+    """Pages [pages, page_size, heads, dim]; allocation and page copies as the contract's defaults do them."""
+
+    layout = PAGES_FIRST
+    dtypes = ("float64",)
+    plan_type = AttentionPlan
+
+    def build_plan(self, meta):
+        return AttentionPlan()
+
+    def forward(self, q, k, v, kv_cache, meta, *, scale=1.0, sliding_window=None, logit_cap=None):
+        return _attention(q, k, v, kv_cache, meta, sliding_window=sliding_window)
 
 
-def _allocate(num_pages, page_size, num_kv_heads, head_dim, v_head_dim, dtype, device):
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
-
-TOY_OPS = SimpleNamespace(
-    attention=_attention, prepare_attention=lambda meta: None, copy_pages=_copy_pages, allocate_kv_cache=_allocate
-)
+TOY_ATTENTION = ToyAttention(SelectionContext())
 
 
 class ToyModel(torch.nn.Module):
     def __init__(self, window: int | None = None) -> None:
         super().__init__()
-        self.ops = TOY_OPS
+        self.attention = TOY_ATTENTION
         self.window = window
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = input_ids.to(torch.float64).view(-1, 1, 1)
-        s = self.ops.attention(x, x, x, kv_caches[0], meta.for_layer(0))
+        s = self.attention.forward(x, x, x, kv_caches[0], meta.for_layer(0), scale=1.0)
         if self.window:
-            s = s + 17 * self.ops.attention(x, x, x, kv_caches[1], meta.for_layer(1), sliding_window=self.window)
+            s = s + 17 * self.attention.forward(x, x, x, kv_caches[1], meta.for_layer(1), scale=1.0, sliding_window=self.window)
         self._positions = positions
         return torch.stack([s.view(-1), positions.to(torch.float64)], dim=1)
 
@@ -130,7 +130,7 @@ def toy_engine(
     )
     pages = num_pages if window is None else [num_pages, window_pages or num_pages]
     runner = ModelRunner(
-        ToyModel(window), TOY_OPS, cfg, device=torch.device("cpu"), dtype=torch.float64, num_pages=pages, page_size=page_size,
+        ToyModel(window), TOY_ATTENTION, cfg, device=torch.device("cpu"), dtype=torch.float64, num_pages=pages, page_size=page_size,
         enable_caching=caching,
     )
     kv = KVCacheManager(runner.kv_groups, copy_pages=runner.copy_pages)

@@ -139,7 +139,7 @@ class PluginEntry:
         except PluginError:
             return list(self.reasons)
         try:
-            reasons = [str(r) for r in impl.check(ctx)]
+            reasons = [str(r) for r in impl.validate(ctx)]
         except Exception as exc:
             self.status, self.reasons = FAILED, [f"check() raised {type(exc).__name__}: {exc}"]
             return list(self.reasons)

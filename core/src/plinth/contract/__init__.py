@@ -18,6 +18,8 @@ module             category: descriptor, base class, what they exchange
 ``accelerator``    ``--device``: ``Accelerator``, ``AcceleratorInfo``
 ``backend``        ``--backend``: ``Backend``, the op signatures,
                    ``QuantizedWeight``, ``AttentionMetadata``
+``attention``      a backend's paged attention: ``AttentionBackend``,
+                   ``AttentionPlan``, ``KVCacheLayout``, ``PageSizes``
 ``model``          model loaders: ``ModelLoader``, ``ModelConfig``,
                    ``ModelSource``, ``LoadContext``, ``CausalLM``
 ``kv_cache``       what a model's layers cache
@@ -38,24 +40,30 @@ from __future__ import annotations
 
 from plinth.contract.a2a import A2ADescriptor, AllToAll, DispatchedTokens, PlannedLayout, expert_ranges
 from plinth.contract.accelerator import Accelerator, AcceleratorDescriptor, AcceleratorInfo
+from plinth.contract.attention import (
+    HEADS_FIRST,
+    PAGE_DIMS,
+    PAGES_FIRST,
+    AttentionBackend,
+    AttentionPlan,
+    KVCacheLayout,
+    PageSizes,
+    QKVAttention,
+)
 from plinth.contract.backend import (
+    ATTENTION_OP_NAMES,
     BASE_OPS,
-    FUSED_OPS,
+    OP_GROUPS,
     OP_NAMES,
     OP_SIGNATURES,
-    AllocateKVCacheOp,
     AttentionMetadata,
-    AttentionOp,
     Backend,
     BackendCapabilities,
     BackendDescriptor,
-    CopyPagesOp,
     FusedMoEOp,
     LinearOp,
     OpTable,
     PackLinearOp,
-    PrepareAttentionOp,
-    QKVAttentionOp,
     QuantizedWeight,
     RmsNormOp,
     RotaryOp,
@@ -63,6 +71,7 @@ from plinth.contract.backend import (
     op_signature_problems,
 )
 from plinth.contract.base import (
+    DEFAULT_API_RANGE,
     PLUGIN_API_VERSION,
     PluginDescriptor,
     PluginImpl,
@@ -112,9 +121,14 @@ IMPL_BASES: dict[str, type[PluginImpl]] = {
 }
 
 __all__ = [
+    "ATTENTION_OP_NAMES",
     "BASE_OPS",
+    "DEFAULT_API_RANGE",
     "DESCRIPTOR_TYPES",
-    "FUSED_OPS",
+    "HEADS_FIRST",
+    "OP_GROUPS",
+    "PAGE_DIMS",
+    "PAGES_FIRST",
     "IMPL_BASES",
     "OP_NAMES",
     "OP_SIGNATURES",
@@ -124,14 +138,13 @@ __all__ = [
     "AcceleratorDescriptor",
     "AcceleratorInfo",
     "AllToAll",
-    "AllocateKVCacheOp",
+    "AttentionBackend",
     "AttentionMetadata",
-    "AttentionOp",
+    "AttentionPlan",
     "Backend",
     "BackendCapabilities",
     "BackendDescriptor",
     "CausalLM",
-    "CopyPagesOp",
     "DispatchedTokens",
     "PlannedLayout",
     "expert_ranges",
@@ -140,6 +153,7 @@ __all__ = [
     "FullAttentionSpec",
     "KVCacheSpec",
     "KVConnector",
+    "KVCacheLayout",
     "KVConnectorDescriptor",
     "KVLayout",
     "LinearOp",
@@ -150,14 +164,14 @@ __all__ = [
     "ModelLoader",
     "ModelSource",
     "PackLinearOp",
+    "PageSizes",
     "PluginDescriptor",
     "PluginImpl",
-    "PrepareAttentionOp",
     "ProposeItem",
     "Proposer",
     "ProposerContext",
     "ProposerDescriptor",
-    "QKVAttentionOp",
+    "QKVAttention",
     "QuantizedWeight",
     "ReasoningParse",
     "ReasoningParser",

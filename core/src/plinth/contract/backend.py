@@ -1,6 +1,7 @@
 """The backend category (``--backend``): a table of compute ops, their typed
-signatures, and what the ops exchange (quantized weights, a step's attention
-metadata)."""
+signatures, and what the ops exchange (quantized weights); a step's attention
+metadata, which the backend's attention backend (``plinth.contract.attention``)
+turns into its plan."""
 
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from plinth.contract.base import PluginDescriptor, PluginImpl, SelectionContext
 if TYPE_CHECKING:
     import torch
 
+    from plinth.contract.attention import AttentionBackend, AttentionPlan
+
 
 
 @dataclass(frozen=True)
 class BackendDescriptor(PluginDescriptor):
     """A table of compute ops (``--backend``). impl -> a ``Backend`` subclass.
 
-    reference: this backend implements every op in ``OP_NAMES`` on any torch
-    device; ops another backend leaves out are taken from it.
+    reference: this backend implements every op in ``OP_NAMES`` and an
+    attention backend on any torch device; what another backend leaves out
+    or declines is taken from it.
     """
 
     category: ClassVar[str] = "backend"
@@ -69,49 +73,9 @@ class SiluAndMulOp(Protocol):
 class RotaryOp(Protocol):
     def __call__(self, q: "torch.Tensor", k: "torch.Tensor", positions: "torch.Tensor", cos_sin: "torch.Tensor", is_neox: bool) -> "tuple[torch.Tensor, torch.Tensor]":
         """(q, k) rotated; cos_sin is the model's [max_pos, rotary_dim] table
-        (cos half, then sin half)."""
-        ...
-
-
-class AllocateKVCacheOp(Protocol):
-    def __call__(self, *, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: "torch.dtype", device: "torch.device") -> "tuple[Any, Any]":
-        """One layer's paged K/V storage, zeroed, in this backend's own layout
-        (v_pages is None when v_head_dim is 0: V shares K's pages, as in MLA).
-        Only this backend's attention and copy_pages look inside; the engine
-        only counts pages."""
-        ...
-
-
-class PrepareAttentionOp(Protocol):
-    def __call__(self, meta: "AttentionMetadata") -> None:
-        """Once per step, before the layers; may stash per-step state in
-        ``meta.backend_state``."""
-        ...
-
-
-class AttentionOp(Protocol):
-    def __call__(self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", kv_cache: "tuple[Any, Any]", meta: "AttentionMetadata", *, scale: float, sliding_window: int | None = None, logit_cap: float | None = None) -> "torch.Tensor":
-        """out [T, Hq, Dv]: writes k, v [T, Hkv, D] into kv_cache at
-        meta.slot_mapping (slot = page * page_size + offset), then attends
-        causally over each sequence's pages."""
-        ...
-
-
-class QKVAttentionOp(Protocol):
-    def __call__(self, qkv: "torch.Tensor", positions: "torch.Tensor", cos_sin: "torch.Tensor", is_neox: bool, kv_cache: "tuple[Any, Any]", meta: "AttentionMetadata", *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None) -> "torch.Tensor":
-        """Optional, a fusion: a layer's attention block from its fused
-        projection qkv [T, (Hq + 2 Hkv) * D] (q heads, then k, then v):
-        ``rotary`` on q and k, then ``attention``; returns [T, Hq * D]. The
-        same numbers as those ops; a model calls it when the table has it and
-        nothing comes between the projection and the rotation (per-head q/k
-        norms), and composes the two ops otherwise."""
-        ...
-
-
-class CopyPagesOp(Protocol):
-    def __call__(self, kv_caches: Sequence[Any], src: "torch.Tensor", dst: "torch.Tensor") -> None:
-        """Copy whole pages src[i] -> dst[i] (int64 CPU tensors) in every
-        layer (fork, n > 1)."""
+        (cos half, then sin half). ``positions`` is the step's own tensor (a
+        new one each step, shared by every layer): an op may keep what it
+        gathers for it until another tensor comes."""
         ...
 
 
@@ -135,24 +99,21 @@ OP_SIGNATURES: dict[str, type] = {
     "linear": LinearOp,
     "silu_and_mul": SiluAndMulOp,
     "rotary": RotaryOp,
-    "allocate_kv_cache": AllocateKVCacheOp,
-    "prepare_attention": PrepareAttentionOp,
-    "attention": AttentionOp,
-    "copy_pages": CopyPagesOp,
-    "qkv_attention": QKVAttentionOp,
     "fused_moe": FusedMoEOp,
 }
 OP_NAMES: tuple[str, ...] = tuple(OP_SIGNATURES)
-#: optional fusions of other ops: a backend may bring them (with the ops
-#: whose layout they read); the reference does not, and models compose the
-#: separate ops where the table has none
-FUSED_OPS: tuple[str, ...] = ("qkv_attention",)
-#: the ops every decoder the core runs calls (the engine itself calls the
-#: KV ones); ``ModelLoader.required_ops`` adds what an architecture needs
-BASE_OPS: tuple[str, ...] = (
-    "rms_norm", "pack_linear", "linear", "silu_and_mul", "rotary",
-    "allocate_kv_cache", "prepare_attention", "attention", "copy_pages",
-)
+#: ops that only work together (a weight layout one packs and the other
+#: reads): start-up takes each group from one backend, all or none. A new
+#: pair (an adapter's pack and apply, a quantized format's) is added here
+#: with its signatures; a backend's own pairs go in ``Backend.op_groups``
+OP_GROUPS: tuple[tuple[str, ...], ...] = (("pack_linear", "linear"),)
+#: the ops every decoder the core runs calls; ``ModelLoader.required_ops``
+#: adds what an architecture needs (attention is the attention backend's)
+BASE_OPS: tuple[str, ...] = ("rms_norm", "pack_linear", "linear", "silu_and_mul", "rotary")
+#: names the op table had before plugin API 2.0 that now belong to the
+#: attention backend (``plinth.contract.attention``): a backend returning one
+#: from ``ops()`` is refused with a pointer to it
+ATTENTION_OP_NAMES: tuple[str, ...] = ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages", "qkv_attention")
 
 
 @dataclass(frozen=True)
@@ -249,7 +210,7 @@ def op_signature_problems(name: str, fn: object) -> list[str]:
 
 
 class OpTable:
-    """The resolved op table the model and the engine call: each op a plain
+    """The resolved table of compute ops the model calls: each op a plain
     attribute, set once at start-up (no lookup per call), each op of
     ``OP_SIGNATURES`` checked against its signature when the table is built.
     A backend's own ops are attributes too (``getattr(ops, "my_op", None)``);
@@ -260,12 +221,7 @@ class OpTable:
     linear: LinearOp
     silu_and_mul: SiluAndMulOp
     rotary: RotaryOp
-    allocate_kv_cache: AllocateKVCacheOp
-    prepare_attention: PrepareAttentionOp
-    attention: AttentionOp
-    copy_pages: CopyPagesOp
-    #: optional: None where no backend brings them
-    qkv_attention: QKVAttentionOp | None = None
+    #: optional: None where no backend brings it
     fused_moe: FusedMoEOp | None = None
     capabilities: BackendCapabilities
 
@@ -273,6 +229,7 @@ class OpTable:
         problems = [p for name, fn in ops.items() for p in op_signature_problems(name, fn)]
         reserved = [name for name in ops if name.startswith("_") or name in _RESERVED]
         problems += [f"op name {name!r} is reserved" for name in reserved]
+        problems += [attention_op_moved(name) for name in ops if name in ATTENTION_OP_NAMES]
         if problems:
             raise TypeError("; ".join(problems))
         for name, fn in ops.items():
@@ -285,6 +242,13 @@ class OpTable:
 
 
 _RESERVED = frozenset({"capabilities", "names"})
+
+
+def attention_op_moved(name: str) -> str:
+    return (
+        f"op {name} is no compute op since plugin API 2.0: attention and the KV layout are the backend's "
+        "AttentionBackend (Backend.attention_backend, plinth.api.AttentionBackend; docs/plugins.md, changelog)"
+    )
 
 
 @dataclass
@@ -316,6 +280,9 @@ class Backend(PluginImpl):
     (for ``ops()``); what it declares for a context (``check``,
     ``unsupported_ops``, ``capabilities``) are classmethods."""
 
+    #: groups of this backend's own ops that only work together (as ``OP_GROUPS``)
+    op_groups: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
     def __init__(self, ctx: SelectionContext, reference: Mapping[str, Callable[..., Any]] | None = None) -> None:
         self.ctx = ctx
         #: the reference backend's ops (None in the reference itself): call
@@ -340,6 +307,26 @@ class Backend(PluginImpl):
         the reference backend supplies the rest), plus any op of its own
         (the table is open)."""
         raise NotImplementedError
+
+    @classmethod
+    def validate(cls, ctx: SelectionContext) -> list[str]:
+        """``check``, then (when it passes: the attention module may import
+        what check found missing) why its attention backend declines ``ctx``."""
+        reasons = list(cls.check(ctx))
+        if reasons:
+            return reasons
+        attention = cls.attention_backend(ctx)
+        return attention.problems(ctx) if attention is not None else []
+
+    @classmethod
+    def attention_backend(cls, ctx: SelectionContext) -> "type[AttentionBackend[Any]] | None":
+        """Its paged attention and KV layout (``plinth.api.AttentionBackend``)
+        for ``ctx``; None: the reference backend's. Its ``problems(ctx)`` are
+        this backend's own (``validate``): an explicit ``--backend`` fails with
+        them, ``auto`` takes the next candidate. Its module must be cheap to
+        import (no vendor library before the class is built). The reference
+        backend must return one."""
+        return None
 
     @classmethod
     def capabilities(cls, ctx: SelectionContext) -> BackendCapabilities:
@@ -370,8 +357,9 @@ class AttentionMetadata:
     # host-side copies so reference code never waits on the device
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    #: per-step state a backend computes once in prepare_attention
-    backend_state: dict[str, Any] = field(default_factory=dict[str, Any])
+    #: what the attention backend's ``build_plan`` made of this step (the
+    #: engine builds it once per step and KV-cache group; every layer reads it)
+    plan: "AttentionPlan | None" = None
     #: the decode flag MoE layers hand the a2a plugin; set by the engine when
     #: ranks with different batches must agree (None: ``is_decode_only``)
     moe_decode: bool | None = None

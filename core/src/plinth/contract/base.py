@@ -17,7 +17,11 @@ if TYPE_CHECKING:  # the contract itself stays cheap to import
     from plinth.contract.model import ModelConfig
     from plinth.contract.proposer import ProposerContext
 
-PLUGIN_API_VERSION = "1.0"
+#: 2.0: attention and the KV layout left the op table for ``AttentionBackend``
+#: (docs/plugins.md, "Changelog of the plugin API")
+PLUGIN_API_VERSION = "2.0"
+#: the range a descriptor supports when it states none: this major version
+DEFAULT_API_RANGE = ">=2.0,<3"
 
 
 
@@ -40,7 +44,7 @@ class PluginDescriptor:
     impl: str
     priority: int = 0
     version: str = ""
-    api: str = ">=1.0,<2"
+    api: str = DEFAULT_API_RANGE
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -75,6 +79,9 @@ class SelectionContext:
     #: page size or a prefix-cache hit); an op the backend cannot run so it
     #: declines through ``Backend.unsupported_ops`` and the reference serves it
     deterministic: bool = False
+    #: tokens per KV page (``--page-size``): attention backends judge it
+    #: (``AttentionBackend.page_sizes``); None in `platform plugins`
+    page_size: int | None = None
 
 
 class PluginImpl(abc.ABC):  # noqa: B024 (the category bases below it declare the abstract methods)
@@ -96,6 +103,13 @@ class PluginImpl(abc.ABC):  # noqa: B024 (the category bases below it declare th
         with an empty context, and at startup with a filled one.
         """
         return []
+
+    @classmethod
+    def validate(cls, ctx: SelectionContext) -> list[str]:
+        """What the core asks before choosing it: ``check`` and what its
+        category adds (a backend: its attention backend's ``problems``).
+        Override ``check``, not this."""
+        return list(cls.check(ctx))
 
 
 def missing_methods(cls: type) -> list[str]:

@@ -28,7 +28,7 @@ class KVCacheSpec(ABC):
 
     @abstractmethod
     def allocation(self) -> dict[str, int]:
-        """The per-token shape the backend's ``allocate_kv_cache`` takes:
+        """The per-token shape the attention backend's ``allocate`` takes:
         ``num_kv_heads``, ``head_dim`` and ``v_head_dim`` (0: V shares K's
         pages, one tensor per layer, as a latent cache does)."""
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from plinth.contract.a2a import AllToAll
+    from plinth.contract.attention import AttentionBackend
 
 
 
@@ -52,6 +53,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     dtype: str = "bfloat16"  # the checkpoint's dtype
     num_experts: int = 0
+    #: the widest sliding window any layer attends with (None: every layer
+    #: attends to all positions), as the loader reads the family's config
+    sliding_window: int | None = None
+    #: attention scores soft-capped at this value (None: not capped)
+    attn_logit_softcap: float | None = None
     raw: Mapping[str, Any] = field(default_factory=dict[str, Any], repr=False)
 
 
@@ -71,7 +77,11 @@ class LoadContext:
 
     device: "torch.device"
     dtype: "torch.dtype"
-    ops: "OpTable"  # the resolved op table (attributes named as in OP_NAMES)
+    ops: "OpTable"  # the resolved compute ops (attributes named as in OP_NAMES)
+    #: the resolved attention backend: layers call its ``forward`` (or its
+    #: ``qkv_fusion()``) with their KV pages and ``meta.for_layer(i)``; a
+    #: model that reads the pages itself (MLA) reads them in its ``layout``
+    attention: "AttentionBackend[Any]"
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Any = None
@@ -101,7 +111,8 @@ class CausalLM:
 
     forward(input_ids [T], positions [T], kv_caches: list per layer of
     (k_pages, v_pages) or None, meta: AttentionMetadata) -> hidden [T, hidden_size];
-        layer i attends with ``meta.for_layer(i)`` (its KV-cache group's pages)
+        layer i attends with ``LoadContext.attention`` over its pages and
+        ``meta.for_layer(i)`` (its KV-cache group's pages and plan)
     kv_cache_specs() -> list per layer of ``plinth.api.KVCacheSpec`` or None:
         what each layer caches on this rank (its own K/V heads, a window, a
         latent of a plugin's own spec, or nothing); layers with equal specs
@@ -135,5 +146,6 @@ class ModelLoader(PluginImpl):
     def required_ops(self, config: ModelConfig) -> Sequence[str]:
         """The ops this model calls. Checked at start-up, before any weight
         loads: an op no selected backend provides fails naming the op and
-        the backends tried. May name ops outside ``OP_SIGNATURES``."""
+        the backends tried. May name ops outside ``OP_SIGNATURES``. (Paged
+        attention is the attention backend's, which every backend has.)"""
         return BASE_OPS + (("fused_moe",) if config.num_experts else ())

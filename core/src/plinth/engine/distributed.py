@@ -372,7 +372,7 @@ class RankForward:
     def __init__(self, config: EngineConfig, started: Started) -> None:
         pages = started.plan.pages
         self.runner = ModelRunner(
-            started.model, started.ops, started.model_cfg, device=started.device, dtype=started.dtype,
+            started.model, started.attention, started.model_cfg, device=started.device, dtype=started.dtype,
             num_pages=[n + 1 for n in pages], page_size=config.page_size,
         )  # fmt: skip
         self.scratch = list(pages)
@@ -390,8 +390,7 @@ class RankForward:
             r.copy_pages([[s for s, _ in c] for c in part.copies], [[d for _, d in c] for c in part.copies])
         if part is None:
             part = dummy_step(r, self.scratch, decode)
-        for m in group_metas(part.meta):
-            r.ops.prepare_attention(m)
+        r.prepare(part.meta)
         hidden = r.model(part.ids, part.meta.positions, r.kv_caches, part.meta)
         if not part.rows:
             return None

@@ -40,7 +40,7 @@ def build_engine(config: EngineConfig, registry: PluginRegistry | None = None) -
 def build_local_engine(config: EngineConfig, registry: PluginRegistry) -> LLMEngine:
     started = start_process(config, registry)
     runner = ModelRunner(
-        started.model, started.ops, started.model_cfg, device=started.device, dtype=started.dtype,
+        started.model, started.attention, started.model_cfg, device=started.device, dtype=started.dtype,
         num_pages=started.plan.pages, page_size=config.page_size, enable_caching=config.enable_prefix_caching,
     )  # fmt: skip
     model_id = hash_seed(started.source, started.model_cfg)
@@ -60,7 +60,7 @@ def build_local_engine(config: EngineConfig, registry: PluginRegistry) -> LLMEng
     spec: Any = None
     if config.speculative_method:
         draft = dict(
-            registry=registry, ctx=started.ctx, ops=started.ops, backend=started.backend_name,
+            registry=registry, ctx=started.ctx, ops=started.ops, attention=started.attention, backend=started.backend_name,
             num_pages=started.num_pages, page_size=config.page_size,
         )  # fmt: skip
         spec = build_spec_decoder(config, registry, started.ctx, started.model_cfg, started.tokenizer, draft)

@@ -9,7 +9,7 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
-from plinth.api import AttentionMetadata, ModelConfig
+from plinth.api import AttentionBackend, AttentionMetadata, ModelConfig
 from plinth.engine.kv_cache_manager import KVCacheGroup, forgets, make_group
 from plinth.engine.scheduler import ScheduledBatch
 from plinth.errors import ConfigError
@@ -41,7 +41,7 @@ class ModelRunner:
     def __init__(
         self,
         model: Any,
-        ops: Any,
+        attention: AttentionBackend[Any],
         cfg: ModelConfig,
         *,
         device: torch.device,
@@ -52,7 +52,8 @@ class ModelRunner:
     ) -> None:
         """``num_pages``: usable pages of every KV-cache group, or of each in turn."""
         self.model = model
-        self.ops = ops
+        #: the attention backend: it lays out and copies the pages and plans each step
+        self.attention = attention
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -67,46 +68,29 @@ class ModelRunner:
             make_group(spec, layers, n, page_size, enable_caching=enable_caching) for (spec, layers), n in zip(grouped, counts)
         ]
         self.layer_groups = [0] * len(specs)
-        # the backend's layout; the engine only counts pages
+        # the attention backend's layout; the engine only counts pages
         self.kv_caches: list[tuple[Any, Any] | None] = [None] * len(specs)
         for gi, (g, (spec, _)) in enumerate(zip(self.kv_groups, grouped)):
             for i in g.layers:
                 self.layer_groups[i] = gi
-                self.kv_caches[i] = ops.allocate_kv_cache(
+                self.kv_caches[i] = attention.allocate(
                     num_pages=g.pool.num_pages, page_size=page_size, dtype=dtype, device=device, **spec.allocation()
                 )
-        self.page_dims = [self._find_page_dims(spec) for spec, _ in grouped]
+        #: the page dimension of each page tensor, as the layout declares it
+        self.page_dim = attention.layout.page_dim
         #: keep the hidden states of the logits rows of the last step (speculative proposers that ask)
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
 
-    def _find_page_dims(self, spec: "KVCacheSpec") -> list[int | None]:
-        """The page dimension of each tensor of a layer's cache, found by
-        allocating two tiny caches that differ only in their page count (the
-        backend owns the layout; every page is one index of one dimension)."""
-        kw = dict(page_size=self.page_size, dtype=self.dtype, device=self.device, **spec.allocation())
-        a = self.ops.allocate_kv_cache(num_pages=2, **kw)
-        b = self.ops.allocate_kv_cache(num_pages=3, **kw)
-        dims: list[int | None] = []
-        for x, y in zip(a, b):
-            if x is None:
-                dims.append(None)
-                continue
-            diff = [d for d in range(x.dim()) if x.shape[d] != y.shape[d]]
-            dims.append(diff[0] if len(diff) == 1 and x.shape[diff[0]] == 2 else -1)
-        return dims
-
     def _page_tensors(self):
-        for g, dims in zip(self.kv_groups, self.page_dims):
-            yield from self._group_tensors(g, dims)
+        for g in self.kv_groups:
+            yield from self._group_tensors(g)
 
-    def _group_tensors(self, g: KVCacheGroup, dims: list[int | None]):
+    def _group_tensors(self, g: KVCacheGroup):
         for i in g.layers:
-            for t, dim in zip(self.kv_caches[i], dims):  # type: ignore[arg-type]
+            for t in self.kv_caches[i] or ():
                 if t is not None:
-                    if dim is None or dim < 0:
-                        raise RuntimeError("this backend's KV layout has no page dimension: pages cannot be saved or loaded")
-                    yield t, dim
+                    yield t, self.page_dim
 
     def page_bytes(self) -> int:
         """Bytes of one page across every layer of every group, as read_pages returns them."""
@@ -121,9 +105,9 @@ class ModelRunner:
         """A CPU copy of whole pages: uint8 [len(pages), page_bytes]; each
         entry of ``pages`` is one page of a sequence, as its page in each group."""
         parts = []
-        for gi, (g, dims) in enumerate(zip(self.kv_groups, self.page_dims)):
+        for gi, g in enumerate(self.kv_groups):
             idx = torch.tensor([p[gi] for p in pages], dtype=torch.long, device=self.device)
-            for t, dim in self._group_tensors(g, dims):
+            for t, dim in self._group_tensors(g):
                 x = t.index_select(dim, idx).movedim(dim, 0).contiguous().cpu()
                 parts.append(x.view(len(pages), -1).view(torch.uint8))
         return torch.cat(parts, dim=1)
@@ -133,9 +117,9 @@ class ModelRunner:
         """Fill whole pages from what read_pages returned."""
         off = 0
         n = len(pages)
-        for gi, (g, dims) in enumerate(zip(self.kv_groups, self.page_dims)):
+        for gi, g in enumerate(self.kv_groups):
             idx = torch.tensor([p[gi] for p in pages], dtype=torch.long, device=self.device)
-            for t, dim in self._group_tensors(g, dims):
+            for t, dim in self._group_tensors(g):
                 shape = t.movedim(dim, 0).shape[1:]
                 nbytes = t.numel() // t.shape[dim] * t.element_size()
                 chunk = data[:, off : off + nbytes].contiguous().view(t.dtype).view(n, *shape)
@@ -194,14 +178,18 @@ class ModelRunner:
             meta.layer_groups = self.layer_groups
         return torch.tensor(ids, dtype=torch.long, device=dev), meta
 
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """The attention backend's plan of the step, once per KV-cache group."""
+        for m in meta.groups or (meta,):
+            m.plan = self.attention.build_plan(m)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, logit_rows: Seq[int]) -> torch.Tensor:
         """Forward the batch; logits (float32) of the flat token rows asked
         for, on the model's device (the sampler works there; only sampled
         ids and requested logprobs go to the host)."""
         input_ids, meta = self.build_metadata(batch)
-        for m in meta.groups or (meta,):
-            self.ops.prepare_attention(m)
+        self.prepare(meta)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         if not logit_rows:
             return torch.empty(0, self.cfg.vocab_size)
@@ -216,4 +204,4 @@ class ModelRunner:
         """Copy whole pages src[g][i] -> dst[g][i] in the layers of group g."""
         for g, s, d in zip(self.kv_groups, src, dst):
             if s:
-                self.ops.copy_pages([self.kv_caches[i] for i in g.layers], torch.tensor(list(s)), torch.tensor(list(d)))
+                self.attention.copy_pages([self.kv_caches[i] for i in g.layers], torch.tensor(list(s)), torch.tensor(list(d)))

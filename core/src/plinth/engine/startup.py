@@ -21,8 +21,10 @@ from typing import Any, Protocol
 import torch
 
 from plinth.api import (
-    FUSED_OPS,
+    ATTENTION_OP_NAMES,
+    OP_GROUPS,
     OP_NAMES,
+    AttentionBackend,
     BackendDescriptor,
     LoadContext,
     ModelConfig,
@@ -32,6 +34,7 @@ from plinth.api import (
     SelectionContext,
     op_signature_problems,
 )
+from plinth.contract.backend import attention_op_moved
 from plinth.engine.config import AUTO, EngineConfig
 from plinth.engine.model_runner import ModelRunner, kv_cache_specs, spec_groups
 from plinth.engine.model_source import locate_model
@@ -83,14 +86,6 @@ class Components:
         }
 
 
-#: ops that only work together (a weight or KV layout they share): taken
-#: from one backend, all or none
-OP_GROUPS = (("pack_linear", "linear"), ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages"))
-#: fused ops that read what another op lays out (the KV pages): a backend
-#: brings them only together with those
-OP_REQUIRES = {"qkv_attention": ("allocate_kv_cache", "attention")}
-
-
 def resolve_deterministic(asked: bool | None, backend: PluginEntry, ctx: SelectionContext) -> tuple[bool, str]:
     """Deterministic mode for this run and why: what the user asked, or
     (unset) the chosen backend's word for this machine and dtype
@@ -127,16 +122,13 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
     extra = set(ops) - set(OP_NAMES)
     if extra:  # the op table is open: a backend may bring ops the core does not list
         log.info("backend %s brings ops of its own: %s", chosen.name, ", ".join(sorted(extra)))
-    for group in OP_GROUPS:
+    for group in OP_GROUPS + tuple(backend_cls.op_groups):
         given = [op for op in group if op in ops]
         if given and len(given) != len(group):
             raise PluginError(f"backend {chosen.label()} must provide {', '.join(group)} together")
-    for op, needs in OP_REQUIRES.items():
-        if op in ops and not all(n in ops for n in needs):
-            raise PluginError(f"backend {chosen.label()} provides {op} and must then provide {', '.join(needs)} too (their KV layout)")
     table.update(ops)
     sources.update({name: chosen.name for name in ops})
-    missing = [op for op in OP_NAMES if op not in table and op not in FUSED_OPS]
+    missing = [op for op in OP_NAMES if op not in table]
     if missing:
         log.info("ops with no implementation (models needing them will fail to load): %s", ", ".join(missing))
     return OpTable(table, backend_cls.capabilities(ctx)), sources
@@ -144,8 +136,31 @@ def resolve_ops(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionCon
 
 def _check_op_signatures(entry: PluginEntry, ops: dict[str, Any]) -> None:
     problems = [p for name, fn in ops.items() for p in op_signature_problems(name, fn)]
+    problems += [attention_op_moved(name) for name in ops if name in ATTENTION_OP_NAMES]
     if problems:
         raise PluginError(f"backend {entry.label()}: " + "; ".join(problems))
+
+
+def resolve_attention(registry: PluginRegistry, chosen: PluginEntry, ctx: SelectionContext, ops: OpTable) -> tuple[AttentionBackend[Any], str]:
+    """The attention backend and the name of the backend it came from: the
+    chosen backend's (``Backend.attention_backend``; its ``problems`` were
+    part of choosing it), else the reference's, built with the op table and
+    the reference's attention backend (what a backend that shares the
+    reference's pages hands the cases its kernels do not cover; their
+    declared layouts must agree)."""
+    references = [e for e in registry.entries["backend"] if getattr(e.descriptor, "reference", False) and not e.evaluate(ctx)]
+    reference_entry = references[0] if references else None
+    reference_cls = reference_entry.load().attention_backend(ctx) if reference_entry is not None else None
+    reference = reference_cls(ctx, ops) if reference_cls is not None else None
+    cls = chosen.load().attention_backend(ctx)
+    if cls is None or cls is reference_cls:
+        if reference is None or reference_entry is None:
+            raise PluginError(f"backend {chosen.label()} brings no attention backend and no reference backend is available for this run")
+        return reference, reference_entry.name
+    if cls.shares_reference_pages and (reference_cls is None or reference_cls.layout != cls.layout):
+        got = "no reference attention backend" if reference_cls is None else f"the reference's pages are {reference_cls.layout.dims}"
+        raise PluginError(f"backend {chosen.label()}'s attention hands cases to the reference over its own pages {cls.layout.dims}, but {got}")
+    return cls(ctx, ops, reference), chosen.name
 
 
 def check_required_ops(needed: Any, ops: Any, tried: list[str], architecture: str) -> None:
@@ -218,7 +233,7 @@ def profiling_tokens(config: EngineConfig, max_model_len: int) -> int:
 
 
 def profile_activation_peak(
-    accelerator: Any, model: Any, ops: Any, model_cfg: ModelConfig, *, device: Any, dtype: torch.dtype,
+    accelerator: Any, model: Any, attention: AttentionBackend[Any], model_cfg: ModelConfig, *, device: Any, dtype: torch.dtype,
     page_size: int, tokens: int, device_index: int = 0, decode_seqs: int = 0,
 ) -> int:
     """The activation peak of one forward of ``tokens`` prompt tokens, as
@@ -233,7 +248,7 @@ def profile_activation_peak(
     from plinth.engine.step_plan import decode_forward, prefill_forward
 
     pages = -(-tokens // page_size) + 1 + decode_seqs
-    runner = ModelRunner(model, ops, model_cfg, device=device, dtype=dtype, num_pages=pages, page_size=page_size, enable_caching=False)
+    runner = ModelRunner(model, attention, model_cfg, device=device, dtype=dtype, num_pages=pages, page_size=page_size, enable_caching=False)
     kv = KVCacheManager(runner.kv_groups, hash_seed=0, copy_pages=runner.copy_pages)
     prefill, decode = prefill_forward(runner, kv), decode_forward(runner, kv)
 
@@ -393,6 +408,7 @@ class Started:
     tokenizer: Any  # None on every rank but 0
     model: Any
     ops: Any
+    attention: AttentionBackend[Any]
     op_sources: dict[str, str]
     device: torch.device
     dtype: torch.dtype
@@ -492,7 +508,8 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
 
     source = locate_model(config.model, registry)
     ctx = SelectionContext(
-        accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep, deterministic=bool(config.deterministic)
+        accelerator=accelerator, dtype=dtype, options=options, tp=config.tp, ep=config.ep, deterministic=bool(config.deterministic),
+        page_size=config.page_size,
     )
     loader_entry = choose_model_loader(registry, source, ctx)
     loader = loader_entry.load()()
@@ -505,6 +522,7 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
     backend_entry = registry.select("backend", config.backend, ctx, prefer=accelerator.info().preferred_backends)
     ctx.deterministic, why = resolve_deterministic(config.deterministic, backend_entry, ctx)
     ops, op_sources = resolve_ops(registry, backend_entry, ctx)
+    attention, op_sources["attention"] = resolve_attention(registry, backend_entry, ctx, ops)
     if first:  # what the mode holds this run to (the backends log each op they decline for it)
         log.info(
             "deterministic mode: %s (%s; %s)", "on" if ctx.deterministic else "off", why,
@@ -526,14 +544,14 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
 
     tokenizer = loader.load_tokenizer(source) if first else None
     load_ctx = LoadContext(
-        device=device, dtype=dtype, ops=ops, progress=config.load_progress and first, dequantize=config.dequantize,
+        device=device, dtype=dtype, ops=ops, attention=attention, progress=config.load_progress and first, dequantize=config.dequantize,
         deterministic=ctx.deterministic, **parallel,
     )
     model = loader.load_model(source, model_cfg, load_ctx)
     peak = 0
     if needs_memory_budget(config):  # ranks: every rank together (the forward's collectives)
         peak = profile_activation_peak(
-            accelerator, model, ops, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
+            accelerator, model, attention, model_cfg, device=device, dtype=dtype, page_size=config.page_size,
             tokens=profiling_tokens(config, max_model_len), device_index=local_rank,
             decode_seqs=config.max_num_seqs if parallel.get("a2a") is not None else 0,
         )  # fmt: skip
@@ -554,7 +572,7 @@ def start_process(config: EngineConfig, registry: PluginRegistry, world: JoinWor
     return Started(
         registry=registry, ctx=ctx, accelerator=accelerator, accelerator_name=acc_entry.name, backend_name=backend_entry.name,
         loader_name=loader_entry.name, source=source, model_cfg=model_cfg, tokenizer=tokenizer, model=model, ops=ops,
-        op_sources=op_sources, device=device, dtype=dtype, max_model_len=max_model_len, plan=plan, groups=groups,
+        attention=attention, op_sources=op_sources, device=device, dtype=dtype, max_model_len=max_model_len, plan=plan, groups=groups,
     )  # fmt: skip
 
 
@@ -569,7 +587,7 @@ def load_tokenizer(model: str, registry: PluginRegistry | None = None, ctx: Sele
     return choose_model_loader(registry, source, ctx if ctx is not None else SelectionContext()).load()().load_tokenizer(source)
 
 
-def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionContext, ops: Any, backend: str, num_pages: int, page_size: int) -> Any:
+def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionContext, ops: Any, attention: AttentionBackend[Any], backend: str, num_pages: int, page_size: int) -> Any:
     """A draft model for a proposer, built as the target is (its model
     plugin, the target's op table and dtype) with its own page pool of the
     target's size in tokens, KV-cache manager and model runner."""
@@ -584,9 +602,9 @@ def build_draft_runner(path: str, *, registry: PluginRegistry, ctx: SelectionCon
         cfg = loader.load_config(source)
         tried = [backend] + [n for n in reference_backends(registry) if n != backend]
         check_required_ops(loader.required_ops(cfg), ops, tried, cfg.architecture)
-        model = loader.load_model(source, cfg, LoadContext(device=device, dtype=dtype, ops=ops, progress=False))
+        model = loader.load_model(source, cfg, LoadContext(device=device, dtype=dtype, ops=ops, attention=attention, progress=False))
         runner = ModelRunner(
-            model, ops, cfg, device=device, dtype=dtype, num_pages=num_pages, page_size=page_size,
+            model, attention, cfg, device=device, dtype=dtype, num_pages=num_pages, page_size=page_size,
             enable_caching=False,
         )
     except PluginError as exc:

@@ -39,7 +39,8 @@ parser
 
 A plugin's tests import only these names and ``plinth.api``. Helpers for
 tests that go beyond the kit: ``resolve_op_table`` / ``op_table`` (the op
-table start-up builds for a backend), ``attention_metadata`` (a step's
+table start-up builds for a backend), ``resolve_attention_backend`` /
+``attention_backend`` (its attention backend), ``attention_metadata`` (a step's
 metadata for given sequences and pages; ``random_attention_metadata``: their
 pages drawn in random order), ``kv_test_layout``,
 ``kv_value_bytes`` and ``kv_key`` (a KV connector's layout, stored value size
@@ -63,10 +64,12 @@ from plinth.testing._report import ConformanceError, Report
 from plinth.testing.a2a import check_a2a
 from plinth.testing.accelerator import AcceleratorReport, check_accelerator
 from plinth.testing.backend import (
+    attention_backend,
     attention_metadata,
     check_backend,
     op_table,
     random_attention_metadata,
+    resolve_attention_backend,
     resolve_op_table,
 )
 from plinth.testing.conformance import (
@@ -136,6 +139,7 @@ __all__ = [
     "ReasoningParserConformance",
     "ToolParserConformance",
     "Report",
+    "attention_backend",
     "attention_metadata",
     "random_attention_metadata",
     "bundled_model_path",
@@ -158,6 +162,7 @@ __all__ = [
     "random_prompts",
     "reference_greedy",
     "reference_model",
+    "resolve_attention_backend",
     "resolve_op_table",
     "run_ranks",
     "save_random_model",

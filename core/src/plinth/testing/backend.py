@@ -1,10 +1,14 @@
 """Backend conformance: a backend's ops against the reference backend's, on
-random inputs, through the same op-table merge the engine uses.
+random inputs, through the same op-table merge the engine uses; its attention
+backend against the reference's.
 
-Attention is checked layout-blind: both op tables allocate their own pages,
-run the same steps (a prefill that writes K/V, a chunk after a cached prefix,
-a mixed step, decode steps, a page copy for a fork), and must give the same
-outputs. So a backend may keep its pages in any layout.
+Attention is checked against what the attention backend declares: its pages
+have the shape its ``layout`` gives (a page is one index of the page
+dimension), ``problems`` answers with reasons (and names a page size its
+``page_sizes`` exclude), and at the page sizes it takes both attention
+backends allocate their own pages, run the same steps (a prefill that writes
+K/V, a chunk after a cached prefix, a mixed step, decode steps, a page copy
+for a fork) and must give the same outputs.
 """
 
 from __future__ import annotations
@@ -50,6 +54,31 @@ def resolve_op_table(backend: str, ctx: Any) -> tuple[Any, dict[str, str]]:
 def op_table(ctx: Any, backend: str = "reference") -> Any:
     """The op table of ``resolve_op_table``, without the sources."""
     return resolve_op_table(backend, ctx)[0]
+
+
+def resolve_attention_backend(backend: str, ctx: Any, ops: Any = None) -> tuple[Any, str]:
+    """(the attention backend, the backend it came from) that start-up builds
+    for ``--backend backend`` in ``ctx`` over the op table ``ops`` (None: the
+    one ``resolve_op_table`` gives), through the real discovery."""
+    from plinth.engine.startup import resolve_attention
+
+    registry = discover_all()
+    if backend == "reference":
+        entry = next((e for e in registry.entries["backend"] if getattr(e.descriptor, "reference", False)), None)
+        if entry is None:
+            raise LookupError("no reference backend is installed")
+    else:
+        entry = registry.get("backend", backend)
+    if ops is None:
+        from plinth.engine.startup import resolve_ops
+
+        ops = resolve_ops(registry, entry, ctx)[0]
+    return resolve_attention(registry, entry, ctx, ops)
+
+
+def attention_backend(ctx: Any, backend: str = "reference", ops: Any = None) -> Any:
+    """The attention backend of ``resolve_attention_backend``, without the source."""
+    return resolve_attention_backend(backend, ctx, ops)[0]
 
 
 def attention_metadata(seqs: list[tuple[int, int]], tables: list[list[int]], page_size: int, device: Any) -> Any:
@@ -98,21 +127,23 @@ def random_attention_metadata(query_lens: list[int], seq_lens: list[int], page_s
     return attention_metadata(seqs, tables, page_size, torch.device(device)), num_pages
 
 
-def _check_attention(report: Report, ops: Any, ref: Any, dtype: Any, device: Any, tol: float, *, page_size: int, heads: tuple[int, int], window: int | None) -> None:
+def _check_attention(report: Report, mine: Any, ref: Any, dtype: Any, device: Any, tol: float, *, page_size: int, heads: tuple[int, int], window: int | None) -> None:
+    """``mine`` and ``ref``: attention backends."""
     import torch
 
     g = torch.Generator().manual_seed(page_size * 31 + heads[0])
     num_heads, num_kv = heads
     dim, num_pages = 32, 64
     label = f"attention ({dtype}, page size {page_size}, {num_heads}/{num_kv} heads, window {window})"
-    caches = []
-    for table in (ops, ref):
-        caches.append(
-            table.allocate_kv_cache(
-                num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim,
-                dtype=dtype, device=device,
-            )
-        )
+    caches = [
+        attn.allocate(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype, device=device)
+        for attn in (mine, ref)
+    ]
+    want = mine.layout.shape(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim)
+    report.expect(
+        all(t is not None and tuple(t.shape) == want for t in caches[0]),
+        f"{label}: allocate() gives pages of the shape its layout {mine.layout.dims} declares", f"{[tuple(t.shape) if t is not None else None for t in caches[0]]}, want {want}",
+    )
     pages = torch.randperm(num_pages, generator=g).tolist()
     tables = [pages[0:12], pages[12:24], pages[24:36]]  # one more table for the fork below
     steps = [
@@ -127,42 +158,42 @@ def _check_attention(report: Report, ops: Any, ref: Any, dtype: Any, device: Any
         k = torch.randn(t, num_kv, dim, generator=g).to(dtype).to(device)
         v = torch.randn(t, num_kv, dim, generator=g).to(dtype).to(device)
         outs = []
-        for table, cache in zip((ops, ref), caches):
+        for attn, cache in zip((mine, ref), caches):
             meta = attention_metadata(seqs, tables[: len(seqs)], page_size, device)
-            table.prepare_attention(meta)
-            outs.append(table.attention(q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window))
+            meta.plan = attn.build_plan(meta)
+            outs.append(attn.forward(q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window))
         _close(report, f"{label}, step {i + 1} {seqs}", outs[0], outs[1], tol)
     # fork sequence 0 into table 2 (copy its pages) and decode both
     n_pages = -(-31 // page_size)
-    for table, cache in zip((ops, ref), caches):
-        table.copy_pages([cache], torch.tensor(tables[0][:n_pages]), torch.tensor(tables[2][:n_pages]))
+    for attn, cache in zip((mine, ref), caches):
+        attn.copy_pages([cache], torch.tensor(tables[0][:n_pages]), torch.tensor(tables[2][:n_pages]))
     seqs = [(31, 1), (31, 1)]  # the same new token in parent and fork
     q = torch.randn(1, num_heads, dim, generator=g).repeat(2, 1, 1).to(dtype).to(device)
     k = torch.randn(1, num_kv, dim, generator=g).repeat(2, 1, 1).to(dtype).to(device)
     v = torch.randn(1, num_kv, dim, generator=g).repeat(2, 1, 1).to(dtype).to(device)
     outs = []
-    for table, cache in zip((ops, ref), caches):
+    for attn, cache in zip((mine, ref), caches):
         meta = attention_metadata(seqs, [tables[0], tables[2]], page_size, device)
-        table.prepare_attention(meta)
-        outs.append(table.attention(q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window))
+        meta.plan = attn.build_plan(meta)
+        outs.append(attn.forward(q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window))
     _close(report, f"{label}, after copy_pages (a fork decodes like its parent)", outs[0][1], outs[0][0], tol)
     _close(report, f"{label}, forked decode against the reference", outs[0], outs[1], tol)
 
 
-def _check_qkv_attention(report: Report, ops: Any, ref: Any, dtype: Any, device: Any, tol: float, *, page_size: int, heads: tuple[int, int]) -> None:
-    """The fused op against the reference's rotary then attention, over the
-    same steps as ``_check_attention`` (prefill, prefix chunk + decode, decodes)."""
+def _check_qkv_attention(report: Report, mine: Any, ref: Any, ref_ops: Any, dtype: Any, device: Any, tol: float, *, page_size: int, heads: tuple[int, int]) -> None:
+    """The fused block (``mine.qkv_fusion()``) against the reference's rotary
+    then attention, over the same steps as ``_check_attention`` (prefill,
+    prefix chunk + decode, decodes)."""
     import torch
 
     g = torch.Generator().manual_seed(page_size * 37 + heads[0])
     num_heads, num_kv = heads
     dim, num_pages = 32, 64
-    label = f"qkv_attention ({dtype}, page size {page_size}, {num_heads}/{num_kv} heads)"
+    label = f"qkv_fusion ({dtype}, page size {page_size}, {num_heads}/{num_kv} heads)"
+    fused = mine.qkv_fusion()
     caches = [
-        table.allocate_kv_cache(
-            num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype, device=device,
-        )
-        for table in (ops, ref)
+        attn.allocate(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype, device=device)
+        for attn in (mine, ref)
     ]
     pages = torch.randperm(num_pages, generator=g).tolist()
     tables = [pages[0:12], pages[12:24]]
@@ -174,15 +205,15 @@ def _check_qkv_attention(report: Report, ops: Any, ref: Any, dtype: Any, device:
         t = sum(n for _, n in seqs)
         qkv = torch.randn(t, (num_heads + 2 * num_kv) * dim, generator=g).to(dtype).to(device)
         outs = []
-        for table, cache in zip((ops, ref), caches):
+        for attn, cache in zip((mine, ref), caches):
             meta = attention_metadata(seqs, tables, page_size, device)
-            table.prepare_attention(meta)
-            if table is ops:
-                outs.append(ops.qkv_attention(qkv, meta.positions, cos_sin, True, cache, meta, **kw))
+            meta.plan = attn.build_plan(meta)
+            if attn is mine:
+                outs.append(fused(qkv, meta.positions, cos_sin, True, cache, meta, **kw))
             else:
                 q, k, v = qkv.split((num_heads * dim, num_kv * dim, num_kv * dim), dim=-1)
-                q, k = ref.rotary(q.reshape(t, num_heads, dim), k.reshape(t, num_kv, dim), meta.positions, cos_sin, True)
-                out = ref.attention(q, k, v.reshape(t, num_kv, dim), cache, meta, scale=dim**-0.5)
+                q, k = ref_ops.rotary(q.reshape(t, num_heads, dim), k.reshape(t, num_kv, dim), meta.positions, cos_sin, True)
+                out = ref.forward(q, k, v.reshape(t, num_kv, dim), cache, meta, scale=dim**-0.5)
                 outs.append(out.reshape(t, -1))
         _close(report, f"{label}, step {i + 1} {seqs}", outs[0], outs[1], tol)
 
@@ -193,20 +224,23 @@ def check_backend(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     accelerator: str = "auto",
     require_available: bool = False,
-    page_sizes: tuple[int, ...] = (16, 7),
-    sliding_window: bool = True,
+    page_sizes: tuple[int, ...] | None = None,
+    sliding_window: bool | None = None,
 ) -> Report:
-    """Every op ``name`` provides, against the reference backend's, on the
-    chosen accelerator's device (``auto``: the best available).
+    """Every op ``name`` provides, against the reference backend's, and its
+    attention backend (when it brings one) against the reference's and its
+    own declarations, on the chosen accelerator's device (``auto``: the best
+    available).
 
-    page_sizes: the page sizes attention is checked at (a backend whose
-    kernels allow only some, say powers of two, names those it allows and
-    refuses the others at start-up); sliding_window: whether its attention
-    takes a window (one that does not refuses such models in ``check``)."""
+    page_sizes: the page sizes attention is checked at (None: the first two
+    of 16, 7, 32 and 128 its ``page_sizes`` take); sliding_window: whether to
+    check a window (None: unless its ``problems`` decline a windowed model)."""
+    import dataclasses
+
     import torch
 
     from plinth.api import SelectionContext
-    from plinth.engine.startup import resolve_ops
+    from plinth.engine.startup import resolve_attention, resolve_ops
 
     report = Report(f"backend {name}")
     registry = discover_all()
@@ -228,12 +262,71 @@ def check_backend(
             continue
         ops, sources = resolve_ops(registry, entry, ctx)
         ref, _ = resolve_ops(registry, references[0], ctx)
+        attention, attention_source = resolve_attention(registry, entry, ctx, ops)
+        ref_attention, _ = resolve_attention(registry, references[0], ctx, ref)
         mine = sorted(op for op, src in sources.items() if src == name)
-        report.ok(f"{dtype_name}: provides {', '.join(mine)}")
+        brings_attention = attention_source == name and entry is not references[0]
+        report.ok(f"{dtype_name}: provides {', '.join(mine + (['attention'] if brings_attention else []))}")
         _check_unsupported(report, entry.load(), ctx, set(mine), dtype_name)
         tol = TOLERANCE.get(dtype_name, 1e-2)
-        _check_ops(report, ops, ref, set(mine), dtype, device, tol, page_sizes=page_sizes, sliding_window=sliding_window)
+        _check_ops(report, ops, ref, set(mine), dtype, device, tol)
+        sizes = _check_attention_declarations(report, type(attention), ctx, dtype_name)
+        if not brings_attention:
+            continue
+        sizes = page_sizes or sizes
+        if not sizes:
+            report.problem(f"{dtype_name}: its attention backend takes none of the page sizes 16, 7, 32, 128")
+            continue
+        window = sliding_window
+        if window is None:  # it must attend with a window or decline models that have one
+            windowed = dataclasses.replace(ctx, model=_windowed_model())
+            window = not type(attention).problems(windowed)
+        for page_size in sizes:
+            for heads in ((6, 2), (4, 4)):
+                _check_attention(report, attention, ref_attention, dtype, device, tol, page_size=page_size, heads=heads, window=None)
+        if window:
+            _check_attention(report, attention, ref_attention, dtype, device, tol, page_size=sizes[-1], heads=(6, 2), window=9)
+        else:
+            report.ok(f"{dtype_name}: declines sliding-window models (its problems() say why)")
+        if attention.qkv_fusion() is not None:
+            for page_size in sizes:
+                _check_qkv_attention(report, attention, ref_attention, ref, dtype, device, tol, page_size=page_size, heads=(6, 2))
     return report.raise_for_problems()
+
+
+def _windowed_model() -> Any:
+    from plinth.api import ModelConfig
+
+    return ModelConfig(architecture="Windowed", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       max_model_len=256, sliding_window=9)  # fmt: skip
+
+
+def _check_attention_declarations(report: Report, cls: Any, ctx: Any, dtype_name: str) -> list[int]:
+    """``problems`` returns reasons (strings) and names exactly the page sizes
+    its ``page_sizes`` exclude; its ``layout`` orders the four page
+    dimensions. Returns the first two of 16, 7, 32, 128 it takes."""
+    import dataclasses
+
+    from plinth.api import PAGE_DIMS
+
+    label = f"{dtype_name}: attention backend {cls.__name__}"
+    report.expect(sorted(cls.layout.dims) == sorted(PAGE_DIMS), f"{label}: its layout orders {', '.join(PAGE_DIMS)}", repr(cls.layout))
+    takes = []
+    for page_size in (16, 7, 32, 128, 1, 48):
+        try:
+            reasons = cls.problems(dataclasses.replace(ctx, page_size=page_size))
+        except Exception as exc:
+            report.problem(f"{label}: problems() at page size {page_size} raised {type(exc).__name__}: {exc}")
+            return []
+        if not (isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons)):
+            report.problem(f"{label}: problems() returns a list of reasons (strings), not {reasons!r}")
+            return []
+        declared = cls.page_sizes.problem(page_size) is None
+        named = any(f"page size {page_size}" in r for r in reasons)
+        report.expect(declared != named, f"{label}: page size {page_size} {'taken' if declared else 'declined with its reason'}, as page_sizes says", "; ".join(reasons) or "no reason given")
+        if declared and not reasons and page_size in (16, 7, 32, 128):
+            takes.append(page_size)
+    return takes[:2]
 
 
 def _check_unsupported(report: Report, impl: Any, ctx: Any, mine: set[str], dtype_name: str) -> None:
@@ -255,7 +348,7 @@ def _check_unsupported(report: Report, impl: Any, ctx: Any, mine: set[str], dtyp
         report.ok(f"{dtype_name}: from the reference, with reasons: {', '.join(sorted(limits))}")
 
 
-def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, device: Any, tol: float, *, page_sizes: tuple[int, ...] = (16, 7), sliding_window: bool = True) -> None:
+def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, device: Any, tol: float) -> None:
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -287,15 +380,6 @@ def _check_ops(report: Report, ops: Any, ref: Any, mine: set[str], dtype: Any, d
             want = ref.rotary(q.clone(), k.clone(), positions, cos_sin, neox)
             _close(report, f"rotary q (neox={neox}, {dtype})", got[0], want[0], tol)
             _close(report, f"rotary k (neox={neox}, {dtype})", got[1], want[1], tol)
-    if "attention" in mine:
-        for page_size in page_sizes:
-            for heads in ((6, 2), (4, 4)):
-                _check_attention(report, ops, ref, dtype, device, tol, page_size=page_size, heads=heads, window=None)
-        if sliding_window:
-            _check_attention(report, ops, ref, dtype, device, tol, page_size=page_sizes[-1], heads=(6, 2), window=9)
-    if "qkv_attention" in mine:
-        for page_size in page_sizes:
-            _check_qkv_attention(report, ops, ref, dtype, device, tol, page_size=page_size, heads=(6, 2))
     if "fused_moe" in mine:
         _check_fused_moe(report, ops, ref, rand, g, dtype, device, tol)
 

@@ -89,14 +89,16 @@ def _skip(reason: str) -> Any:
 
 class BackendConformance(PluginConformance):
     """The registration checks plus every op the backend provides against
-    the reference backend's (float32 and bfloat16 by default)."""
+    the reference backend's (float32 and bfloat16 by default), and its
+    attention backend against its declarations and the reference's."""
 
     category: ClassVar[str] = "backend"
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     accelerator: ClassVar[str] = "auto"
-    #: the page sizes attention is checked at, and whether with a sliding window
-    page_sizes: ClassVar[tuple[int, ...]] = (16, 7)
-    sliding_window: ClassVar[bool] = True
+    #: the page sizes attention is checked at, and whether with a sliding
+    #: window (None: what its attention backend declares)
+    page_sizes: ClassVar[tuple[int, ...] | None] = None
+    sliding_window: ClassVar[bool | None] = None
 
     def test_ops_match_the_reference(self) -> None:
         report = check_backend(

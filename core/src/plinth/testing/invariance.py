@@ -137,7 +137,7 @@ class InvarianceCase:
     heads: tuple[int, int] = (9, 3)  # SmolLM2's grouped-query shape
     head_dim: int = 64
     window: int | None = None
-    fused: bool = False  # qkv_attention (rotary inside) instead of attention
+    fused: bool = False  # the attention backend's qkv_fusion() (rotary inside) instead of forward
     seed: int = 0
 
 
@@ -157,10 +157,11 @@ def _ways(length: int) -> dict[str, list[list[int]]]:
 
 
 def attention_invariance_problems(
-    ops: Any, dtype: Any, device: Any, *, page_sizes: tuple[int, ...] = (16, 7), case: InvarianceCase | None = None
+    attention: Any, dtype: Any, device: Any, *, page_sizes: tuple[int, ...] = (16, 7), case: InvarianceCase | None = None
 ) -> list[str]:
     """Every position whose output differs between two ways of computing it
-    (empty: invariant). ``ops``: an op table (``plinth.testing.op_table``)."""
+    (empty: invariant). ``attention``: an attention backend
+    (``plinth.testing.attention_backend``)."""
     import torch
 
     case = case or InvarianceCase()
@@ -181,7 +182,7 @@ def attention_invariance_problems(
         # room for the other sequences' tokens too (at most 23 a step before, 1 after)
         per_seq = -(-max(length, 1200, 23 * len(steps)) // page_size)
         num_pages = 3 * per_seq
-        cache = ops.allocate_kv_cache(
+        cache = attention.allocate(
             num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype, device=device,
         )
         order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(page_size)).tolist()
@@ -203,17 +204,17 @@ def attention_invariance_problems(
                 cursor, other_done[1] = cursor + 1, other_done[1] + 1
             seq_tables = [tables[1], tables[0], tables[2]] if crowd else [tables[0]]
             meta = attention_metadata(seqs, seq_tables, page_size, device)
-            ops.prepare_attention(meta)
+            meta.plan = attention.build_plan(meta)
             x = torch.cat(rows).to(device)
             t = x.shape[0]
             if case.fused:
-                y = ops.qkv_attention(
+                y = attention.qkv_fusion()(
                     x, meta.positions, cos_sin, True, cache, meta, num_heads=num_heads, num_kv_heads=num_kv,
                     head_dim=dim, scale=scale, sliding_window=case.window,
                 )
             else:
                 q, k, v = x.split((num_heads * dim, num_kv * dim, num_kv * dim), dim=-1)
-                y = ops.attention(
+                y = attention.forward(
                     q.reshape(t, num_heads, dim), k.reshape(t, num_kv, dim), v.reshape(t, num_kv, dim), cache, meta,
                     scale=scale, sliding_window=case.window,
                 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from plinth.testing._report import Report
-from plinth.testing.backend import attention_metadata, op_table
+from plinth.testing.backend import attention_backend, attention_metadata, op_table
 from plinth.testing.registration import discover_all
 
 
@@ -58,6 +58,7 @@ def check_model_loader(name: str, path: str, *, dtype: str = "float32", page_siz
     report.expect(all(isinstance(op, str) and op for op in needed), "required_ops names ops", repr(needed))
     torch_dtype = getattr(torch, dtype)
     ops = op_table(SelectionContext(dtype=torch_dtype))
+    attention = attention_backend(SelectionContext(dtype=torch_dtype), ops=ops)
     missing = [op for op in needed if getattr(ops, op, None) is None]
     report.expect(not missing, "the reference op table has every required op", ", ".join(missing))
     if tokenizer:
@@ -70,17 +71,17 @@ def check_model_loader(name: str, path: str, *, dtype: str = "float32", page_siz
         report.skip("tokenizer: not checked (tokenizer=False)")
     if report.problems:
         return report.raise_for_problems()
-    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch_dtype, ops=ops, progress=False))
+    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch_dtype, ops=ops, attention=attention, progress=False))
     for method in ("forward", "compute_logits", "weight_bytes"):
         report.expect(callable(getattr(model, method, None)), f"the model has {method}()")
     if report.problems:
         return report.raise_for_problems()
     report.expect(int(model.weight_bytes()) > 0, "weight_bytes() is positive", str(model.weight_bytes()))
-    _check_paged_forward(report, model, ops, cfg, torch_dtype, page_size)
+    _check_paged_forward(report, model, attention, cfg, torch_dtype, page_size)
     return report.raise_for_problems()
 
 
-def _check_paged_forward(report: Report, model: Any, ops: Any, cfg: Any, dtype: Any, page_size: int) -> None:
+def _check_paged_forward(report: Report, model: Any, attention: Any, cfg: Any, dtype: Any, page_size: int) -> None:
     import torch
 
     g = torch.Generator().manual_seed(7)
@@ -91,8 +92,8 @@ def _check_paged_forward(report: Report, model: Any, ops: Any, cfg: Any, dtype: 
     def run(chunks: list[int]) -> list[Any]:
         """Logits of each chunk's last token, the prompt fed in ``chunks``."""
         caches = [
-            ops.allocate_kv_cache(num_pages=num_pages, page_size=page_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                  v_head_dim=v_dim, dtype=dtype, device=torch.device("cpu"))  # fmt: skip
+            attention.allocate(num_pages=num_pages, page_size=page_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                               v_head_dim=v_dim, dtype=dtype, device=torch.device("cpu"))  # fmt: skip
             for _ in range(cfg.num_layers)
         ]
         pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(3)).tolist()[: len(prompt) // page_size + 1]
@@ -100,7 +101,7 @@ def _check_paged_forward(report: Report, model: Any, ops: Any, cfg: Any, dtype: 
         with torch.no_grad():
             for n in chunks:
                 meta = attention_metadata([(done, n)], [pages], page_size, torch.device("cpu"))
-                ops.prepare_attention(meta)
+                meta.plan = attention.build_plan(meta)
                 hidden = model.forward(torch.tensor(prompt[done : done + n]), meta.positions, caches, meta)
                 out.append(model.compute_logits(hidden[-1:]))
                 done += n

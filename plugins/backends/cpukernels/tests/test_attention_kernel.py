@@ -6,17 +6,16 @@ scoring) per token through the kernel; long prefill chunks to the reference."""
 import pytest
 import torch
 from plinth.api import SelectionContext, load_accelerator
-from plinth.testing import random_attention_metadata
-from plinth_plugin_cpukernels.backend import CPUKernelsBackend
-from plinth_plugin_torch.backend import TorchBackend
+from plinth.testing import attention_backend, random_attention_metadata
 
 
 @pytest.fixture(scope="module")
 def ops():
-    reference = dict(TorchBackend(SelectionContext()).ops())
-    table = dict(reference)
-    table.update(CPUKernelsBackend(SelectionContext(accelerator=load_accelerator("cpu")), reference).ops())  # compiles the kernel once
-    return reference, table
+    """(the reference's attention backend, cpukernels'), as start-up builds them (compiles the kernel once)."""
+    ctx = SelectionContext(accelerator=load_accelerator("cpu"))
+    mine = attention_backend(ctx, "cpukernels")
+    assert type(mine).__name__ == "CPUKernelsAttention"
+    return mine.reference, mine
 
 
 def _batch(query_lens, seq_lens, *, page_size, num_kv, num_heads, dim, dtype, seed):
@@ -29,16 +28,16 @@ def _batch(query_lens, seq_lens, *, page_size, num_kv, num_heads, dim, dtype, se
     return meta, q, k, v, num_pages
 
 
-def _run(table, meta, q, k, v, num_pages, *, page_size, num_kv, dim, dtype, window, fill_seed):
-    cache = table["allocate_kv_cache"](
+def _run(attention, meta, q, k, v, num_pages, *, page_size, num_kv, dim, dtype, window, fill_seed):
+    cache = attention.allocate(
         num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype,
         device=torch.device("cpu"),
     )
     g = torch.Generator().manual_seed(fill_seed)
     for pages in cache:  # the cached context: the same random history for both
         pages.copy_(torch.randn(pages.shape, generator=g).to(dtype))
-    table["prepare_attention"](meta)
-    return table["attention"](q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window), cache
+    meta.plan = attention.build_plan(meta)
+    return attention.forward(q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window), cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,11 +79,8 @@ def test_short_queries_run_per_token_through_the_kernel(ops, dtype, page_size, w
     plain decodes and a short prefill) is causal per token and goes to the
     kernel, one row per query token, never to the reference."""
     reference, _ = ops
-    from plinth_plugin_cpukernels.attention import make_attention_ops
-    from plinth_plugin_cpukernels.backend import accelerator_isa
-    from plinth_plugin_cpukernels.kernels import load_kernels
-
-    kernels = load_kernels(accelerator_isa(SelectionContext(accelerator=load_accelerator("cpu"))))
+    counted = attention_backend(SelectionContext(accelerator=load_accelerator("cpu")), "cpukernels")
+    kernels = counted.kernels
     rows, ref_calls = [], []
 
     class CountingKernels:
@@ -95,11 +91,12 @@ def test_short_queries_run_per_token_through_the_kernel(ops, dtype, page_size, w
         def zeros_on_large_pages(self, *args):
             return kernels.zeros_on_large_pages(*args)
 
-    def counting_reference(*args, **kw):
-        ref_calls.append(1)
-        return reference["attention"](*args, **kw)
+    class CountingReference:
+        def forward(self, *args, **kw):
+            ref_calls.append(1)
+            return reference.forward(*args, **kw)
 
-    counted = make_attention_ops(CountingKernels(), {**reference, "attention": counting_reference})
+    counted.kernels, counted.reference_attention = CountingKernels(), CountingReference()
     query_lens, seq_lens = [5, 1, 3, 1, 4], [40, 20, 9, 3, 4]
     meta, q, k, v, n = _batch(query_lens, seq_lens, page_size=page_size, num_kv=3, num_heads=9, dim=64, dtype=dtype, seed=5)
     kw = dict(page_size=page_size, num_kv=3, dim=64, dtype=dtype, window=window, fill_seed=6)

@@ -4,7 +4,7 @@ row of a prefill chunk of any length chunked anywhere (later chunks reading
 the earlier K/V from the pages, as after a prefix-cache hit), at page sizes
 16 and 7, alone or among other sequences, are bit-identical
 (``plinth.testing.invariance``), bf16 and float32, GQA, with and without a
-sliding window, for ``attention`` and the fused ``qkv_attention``.
+sliding window, for ``forward`` and the fused block (``qkv_fusion()``).
 
 Before this mode existed, steps with a prefill chunk longer than 16 tokens
 went to the reference's SDPA: in bfloat16, 74 of 75 prefill rows differed
@@ -18,7 +18,7 @@ catching (so the check can fail)."""
 import pytest
 import torch
 from plinth.api import SelectionContext, load_accelerator
-from plinth.testing import attention_metadata, op_table
+from plinth.testing import attention_backend, attention_metadata
 from plinth.testing.invariance import InvarianceCase, attention_invariance_problems
 
 CPU = torch.device("cpu")
@@ -32,7 +32,7 @@ def tables():
     def get(dtype, deterministic):
         key = (dtype, deterministic)
         if key not in built:
-            built[key] = op_table(SelectionContext(accelerator=acc, dtype=dtype, deterministic=deterministic), "cpukernels")
+            built[key] = attention_backend(SelectionContext(accelerator=acc, dtype=dtype, deterministic=deterministic), "cpukernels")
         return built[key]
 
     return get
@@ -40,7 +40,7 @@ def tables():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("fused", [False, True], ids=["attention", "qkv_attention"])
+@pytest.mark.parametrize("fused", [False, True], ids=["forward", "qkv_fusion"])
 @pytest.mark.parametrize("amx", [False, True], ids=["vector", "amx"])
 def test_rows_are_bit_identical_every_way(tables, attention_path, dtype, window, fused, amx):
     ops = tables(dtype, True)
@@ -63,26 +63,26 @@ def test_rows_are_bit_identical_past_one_pass_of_keys(tables, attention_path):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["attention", "qkv_attention"])
+@pytest.mark.parametrize("fused", [False, True], ids=["forward", "qkv_fusion"])
 def test_default_mode_attends_with_the_same_kernel(tables, fused):
     """The kernel takes every step in both modes (it beats SDPA on prefill
     too), so the default mode's attention is as batch-invariant and gives
     the deterministic mode's bits."""
     case = InvarianceCase(length=50, fused=fused)
     assert not attention_invariance_problems(tables(torch.bfloat16, False), torch.bfloat16, CPU, case=case)
-    if not fused:  # the reference has no qkv_attention
-        sdpa = op_table(SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.bfloat16, deterministic=False), "torch")
+    if not fused:  # the reference has no fused block
+        sdpa = attention_backend(SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.bfloat16, deterministic=False), "torch")
         problems = attention_invariance_problems(sdpa, torch.bfloat16, CPU, case=case)
         assert any(p.startswith("prefill, page size 16") for p in problems), problems
     meta = attention_metadata([(0, 40), (20, 1)], [[0, 1, 2], [3, 4]], 16, CPU)
     outs = []
     for deterministic in (False, True):
-        ops = tables(torch.bfloat16, deterministic)
-        k_pages, v_pages = ops.allocate_kv_cache(num_pages=8, page_size=16, num_kv_heads=3, head_dim=64, v_head_dim=64, dtype=torch.bfloat16, device=CPU)
+        attention = tables(torch.bfloat16, deterministic)
+        k_pages, v_pages = attention.allocate(num_pages=8, page_size=16, num_kv_heads=3, head_dim=64, v_head_dim=64, dtype=torch.bfloat16, device=CPU)
         g = torch.Generator().manual_seed(9)
         q, k, v = (torch.randn(41, h, 64, generator=g).to(torch.bfloat16) for h in (9, 3, 3))
-        ops.prepare_attention(meta)
-        outs.append(ops.attention(q, k, v, (k_pages, v_pages), meta, scale=0.125))
+        meta.plan = attention.build_plan(meta)
+        outs.append(attention.forward(q, k, v, (k_pages, v_pages), meta, scale=0.125))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -121,12 +121,12 @@ def test_prefill_tiles_against_float64(native_kernels, attention_path, dtype, wi
             row += 1
 
 
-def test_deterministic_mode_declines_no_attention_op():
+def test_deterministic_mode_keeps_its_attention():
+    from plinth_plugin_cpukernels.attention import CPUKernelsAttention
     from plinth_plugin_cpukernels.backend import CPUKernelsBackend
 
-    ctx = SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.bfloat16, deterministic=True)
-    declined = CPUKernelsBackend.unsupported_ops(ctx)
-    assert not {"attention", "qkv_attention", "prepare_attention"} & set(declined), declined
+    ctx = SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.bfloat16, deterministic=True, page_size=7)
+    assert CPUKernelsBackend.attention_backend(ctx) is CPUKernelsAttention and CPUKernelsAttention.problems(ctx) == []
 
 
 @pytest.mark.parametrize("env", ["", "1"], ids=["default", "amx-attention"])
@@ -138,18 +138,18 @@ def test_amx_attention_follows_the_environment(native_kernels, attention_path, e
 
     monkeypatch.setenv(AMX_ATTENTION_ENV, env)
     ctx = SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.bfloat16, deterministic=True)
-    ops = op_table(ctx, "cpukernels")
+    attention = attention_backend(ctx, "cpukernels")
     tiles = amx_tiles(accelerator_isa(ctx))
     if not tiles:
         pytest.skip("no AMX tiles here: the two paths are one")
     meta = attention_metadata([(0, 40), (30, 1)], [[0, 1, 2], [3, 4]], 16, CPU)
-    k_pages, v_pages = ops.allocate_kv_cache(num_pages=8, page_size=16, num_kv_heads=3, head_dim=64, v_head_dim=64, dtype=torch.bfloat16, device=CPU)
+    k_pages, v_pages = attention.allocate(num_pages=8, page_size=16, num_kv_heads=3, head_dim=64, v_head_dim=64, dtype=torch.bfloat16, device=CPU)
     g = torch.Generator().manual_seed(3)
     k_pages.copy_(torch.randn(k_pages.shape, generator=g).to(torch.bfloat16))
     v_pages.copy_(torch.randn(v_pages.shape, generator=g).to(torch.bfloat16))
     q = torch.randn(41, 9, 64, generator=g).to(torch.bfloat16)
-    ops.prepare_attention(meta)
-    got = ops.attention(q, q[:, :3], q[:, 3:6], (k_pages, v_pages), meta, scale=0.1)
+    meta.plan = attention.build_plan(meta)
+    got = attention.forward(q, q[:, :3], q[:, 3:6], (k_pages, v_pages), meta, scale=0.1)
     k_after, v_after = k_pages.clone(), v_pages.clone()  # with this step's K/V written
     paths = {}
     for on in (False, True):

@@ -1,4 +1,4 @@
-"""The fused ``qkv_attention`` op against the reference backend's rotary and
+"""The attention backend's fused block (``qkv_fusion()``) against the reference backend's rotary and
 attention on the same pages: decode batches (the C++ kernel), a mixed batch
 (this backend's own ops), GQA/MHA, both rotary styles, partial rotary, page
 sizes 16 and 7, with and without a sliding window, bfloat16 and float32; and the llama model uses it."""
@@ -6,24 +6,22 @@ sizes 16 and 7, with and without a sliding window, bfloat16 and float32; and the
 import pytest
 import torch
 from plinth.api import SelectionContext, load_accelerator
-from plinth.testing import random_attention_metadata
-from plinth_plugin_cpukernels.backend import CPUKernelsBackend
-from plinth_plugin_torch.backend import TorchBackend
+from plinth.testing import attention_backend, op_table, random_attention_metadata
 
 
 @pytest.fixture(scope="module")
 def ops():
-    reference = dict(TorchBackend(SelectionContext()).ops())
-    table = dict(reference)
-    table.update(CPUKernelsBackend(SelectionContext(accelerator=load_accelerator("cpu")), reference).ops())
-    return reference, table
+    """(the reference's ops and attention backend, cpukernels' attention backend)."""
+    mine = attention_backend(SelectionContext(accelerator=load_accelerator("cpu")), "cpukernels")
+    return (op_table(SelectionContext()), mine.reference), mine
 
 
-def _composed(table, qkv, positions, cos_sin, is_neox, cache, meta, *, num_heads, num_kv_heads, head_dim, scale, sliding_window):
+def _composed(reference, qkv, positions, cos_sin, is_neox, cache, meta, *, num_heads, num_kv_heads, head_dim, scale, sliding_window):
+    ref_ops, ref_attention = reference
     t = qkv.shape[0]
     q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=-1)
-    q, k = table["rotary"](q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), positions, cos_sin, is_neox)
-    out = table["attention"](q, k, v.view(t, num_kv_heads, head_dim), cache, meta, scale=scale, sliding_window=sliding_window)
+    q, k = ref_ops.rotary(q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), positions, cos_sin, is_neox)
+    out = ref_attention.forward(q, k, v.view(t, num_kv_heads, head_dim), cache, meta, scale=scale, sliding_window=sliding_window)
     return out.reshape(t, -1)
 
 
@@ -47,17 +45,17 @@ def test_fused_equals_rotary_then_attention(ops, dtype, page_size, heads, is_neo
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv, head_dim=dim, scale=dim**-0.5, sliding_window=window)
     outs, caches = [], []
     for which in ("fused", "reference"):
-        ops_ = table if which == "fused" else reference
-        cache = ops_["allocate_kv_cache"](
+        attention = table if which == "fused" else reference[1]
+        cache = attention.allocate(
             num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype,
             device=torch.device("cpu"),
         )
         gen = torch.Generator().manual_seed(5)
         for pages in cache:
             pages.copy_(torch.randn(pages.shape, generator=gen).to(dtype))
-        ops_["prepare_attention"](meta)
+        meta.plan = attention.build_plan(meta)
         if which == "fused":
-            outs.append(table["qkv_attention"](qkv, meta.positions, cos_sin, is_neox, cache, meta, **kw))
+            outs.append(table.qkv_fusion()(qkv, meta.positions, cos_sin, is_neox, cache, meta, **kw))
         else:
             outs.append(_composed(reference, qkv, meta.positions, cos_sin, is_neox, cache, meta, **kw))
         caches.append(cache)

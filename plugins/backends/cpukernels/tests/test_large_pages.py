@@ -119,7 +119,9 @@ def test_kv_pages_and_packed_weights_come_on_large_pages():
     reference = TorchBackend(SelectionContext(accelerator=load_accelerator("cpu"))).ops()
     ops = dict(reference)
     ops.update(CPUKernelsBackend(SelectionContext(accelerator=load_accelerator("cpu")), reference).ops())
-    k, v = ops["allocate_kv_cache"](
+    from plinth.testing import attention_backend
+
+    k, v = attention_backend(SelectionContext(accelerator=load_accelerator("cpu")), "cpukernels").allocate(
         num_pages=512, page_size=16, num_kv_heads=3, head_dim=64, v_head_dim=64, dtype=torch.bfloat16,
         device=torch.device("cpu"),
     )

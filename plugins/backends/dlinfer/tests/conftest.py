@@ -12,16 +12,31 @@ import pytest
 HERE = pathlib.Path(__file__).parent
 FAKE_DLINFER = HERE / "fake_dlinfer"
 FAKE_NPU = HERE / "fake_npu"
+#: the names dlinfer-ascend imports from LMDeploy at import time (see fake_lmdeploy/)
+FAKE_LMDEPLOY = HERE / "fake_lmdeploy"
 
 
 def _forget_dlinfer() -> None:
-    for name in [m for m in sys.modules if m == "dlinfer" or m.startswith("dlinfer.") or m.startswith("plinth_plugin_dlinfer.ops")]:
+    for name in [m for m in sys.modules if m.split(".")[0] in ("dlinfer", "lmdeploy") or m.startswith("plinth_plugin_dlinfer.ops")]:
         del sys.modules[name]
+    from plinth_plugin_dlinfer.backend import import_problem
+
+    import_problem.cache_clear()  # the probe's answer belongs to the path it was asked with
 
 
 @pytest.fixture
 def fake_dlinfer(monkeypatch):
-    """The fake dlinfer importable (and found by find_spec)."""
+    """The fake dlinfer importable (and found by find_spec), with the fake
+    lmdeploy it imports at import time."""
+    monkeypatch.syspath_prepend(str(FAKE_LMDEPLOY))
+    monkeypatch.syspath_prepend(str(FAKE_DLINFER))
+    yield FAKE_DLINFER
+    _forget_dlinfer()
+
+
+@pytest.fixture
+def fake_dlinfer_without_lmdeploy(monkeypatch):
+    """The fake dlinfer alone: importing it fails as dlinfer-ascend 0.2.7 does without lmdeploy."""
     monkeypatch.syspath_prepend(str(FAKE_DLINFER))
     yield FAKE_DLINFER
     _forget_dlinfer()

@@ -5,8 +5,18 @@ from __future__ import annotations
 import dense_reference as ref
 import pytest
 import torch
-from plinth.api import AttentionMetadata
-from plinth_plugin_torch.attention import attention, build_plan, prepare_attention, token_major
+from plinth.api import AttentionMetadata, SelectionContext
+from plinth_plugin_torch.attention import TorchAttention, TorchPlan, build_plan, token_major
+
+ATTENTION = TorchAttention(SelectionContext())
+
+
+def attention(q, k, v, cache, meta, **kw):
+    return ATTENTION.forward(q, k, v, cache, meta, **kw)
+
+
+def prepare_attention(meta):
+    meta.plan = ATTENTION.build_plan(meta)
 
 
 def make_batch(seqs, *, page_size, num_heads, num_kv_heads, head_dim, head_dim_v=None, dtype=torch.float32, seed=0):
@@ -99,13 +109,14 @@ def test_sliding_window_and_layers_share_the_plan(page_size, seqs):
     meta, cache, q, k, v, hist = make_batch(seqs, page_size=page_size, num_heads=6, num_kv_heads=2, head_dim=16, seed=1)
     scale = 0.3
     prepare_attention(meta)
-    plan = meta.backend_state["torch"]
+    plan = meta.plan
+    assert isinstance(plan, TorchPlan)
     # layer 1 with a window, layer 2 without, layer 3 with it again (cached masks)
     for window in (8, None, 8, 20):
         out = attention(q, k, v, cache, meta, scale=scale, sliding_window=window)
         expected = reference(meta, q, hist, scale, sliding_window=window)
         torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
-    assert meta.backend_state["torch"] is plan
+    assert meta.plan is plan
 
 
 @pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])

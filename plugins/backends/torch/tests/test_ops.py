@@ -9,16 +9,19 @@ import dense_reference as ref
 import pytest
 import torch
 import torch.nn.functional as F
-from plinth.api import FUSED_OPS, OP_NAMES, QuantizedWeight, SelectionContext
+from plinth.api import OP_NAMES, AttentionBackend, QuantizedWeight, SelectionContext
 from plinth_plugin_torch import ops
 from plinth_plugin_torch.backend import TorchBackend
 
 
 def test_backend_implements_every_op():
     table = TorchBackend(SelectionContext()).ops()
-    assert set(table) == set(OP_NAMES) - set(FUSED_OPS)  # fusions are for backends that run them faster
+    assert set(table) == set(OP_NAMES)
     assert all(callable(f) for f in table.values())
     assert TorchBackend.check(SelectionContext()) == []
+    for mode in (False, True):  # and paged attention, the reference of every backend
+        attention = TorchBackend.attention_backend(SelectionContext(deterministic=mode))
+        assert issubclass(attention, AttentionBackend) and attention.problems(SelectionContext(page_size=7)) == []
 
 
 def test_entry_point_module_does_not_import_torch():
@@ -171,17 +174,20 @@ def test_rotary_of_adjacent_q_and_k_views(is_neox):
 
 
 def test_copy_pages():
-    from plinth_plugin_torch.attention import allocate_kv_cache, token_major
+    from plinth.api import SelectionContext
+    from plinth_plugin_torch.attention import TorchAttention, token_major
 
-    k, v = allocate_kv_cache(10, 4, 2, 8, 8, torch.float32, torch.device("cpu"))
+    attention = TorchAttention(SelectionContext())
+    k, v = attention.allocate(num_pages=10, page_size=4, num_kv_heads=2, head_dim=8, v_head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
+    assert v is not None and k.shape == (2, 10, 4, 8)
     k.normal_()
     v.normal_()
     k0, v0 = token_major(k).clone(), token_major(v).clone()
-    ops.copy_pages([(k, v)], [1, 3], [7, 2])
+    attention.copy_pages([(k, v)], torch.tensor([1, 3]), torch.tensor([7, 2]))
     torch.testing.assert_close(token_major(k)[7], k0[1])
     torch.testing.assert_close(token_major(v)[2], v0[3])
     torch.testing.assert_close(token_major(k)[0], k0[0])
-    ops.copy_pages([(k, v)], torch.tensor([0]), torch.tensor([9]))
+    attention.copy_pages([(k, v)], torch.tensor([0]), torch.tensor([9]))
     torch.testing.assert_close(token_major(k)[9], k0[0])
 
 
@@ -257,7 +263,7 @@ def test_ops_under_inference_mode():
         q, k = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
         q1, _ = ops.rotary(q, k, positions, cos_sin, True)
         positions.copy_(torch.tensor([4, 10]))  # a refilled buffer: must not reuse stale rows
-        ops.new_step()  # (prepare_attention marks the next step)
+        ops.new_step()  # (the attention backend's build_plan marks the next step)
         q2, _ = ops.rotary(q, k, positions, cos_sin, True)
         torch.testing.assert_close(q2.double(), ref.rotary(q, positions, inv_freq, 16, True), atol=1e-4, rtol=1e-4)
         assert not torch.allclose(q1, q2)

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from plinth.api import SelectionContext, load_accelerator
-from plinth.testing import op_table
+from plinth.testing import attention_backend
 from plinth.testing.invariance import InvarianceCase, attention_invariance_problems
 
 CPU = torch.device("cpu")
@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 
 def _ops(dtype, deterministic):
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    return op_table(SelectionContext(accelerator=load_accelerator("cpu"), dtype=dtype, deterministic=deterministic), "triton")
+    return attention_backend(SelectionContext(accelerator=load_accelerator("cpu"), dtype=dtype, deterministic=deterministic), "triton")
 
 
 @pytest.fixture(autouse=True)

@@ -139,17 +139,19 @@ def test_fp8_path_from_the_accelerator():
 
 
 def test_op_sources_declared_per_op():
-    """Start-up's merge: the kernels' ops from triton, the rest from torch, as declared."""
+    """Start-up's merge: the kernels' ops from triton, the rest from torch, as
+    declared; attention from its own attention backend."""
     from plinth.api import load_accelerator
-    from plinth.testing import resolve_op_table
+    from plinth.testing import resolve_attention_backend, resolve_op_table
+    from plinth_plugin_triton.attention import TritonAttention
     from plinth_plugin_triton.backend import FROM_REFERENCE
 
     ctx = SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.float32)
     ops, sources = resolve_op_table("triton", ctx)
-    for op in ("attention", "prepare_attention", "fused_moe", "rms_norm", "linear", "pack_linear"):
+    for op in ("fused_moe", "rms_norm", "linear", "pack_linear"):
         assert sources[op] == "triton", op
     for op in ("rotary", "silu_and_mul"):
         assert sources[op] == "torch" and op in FROM_REFERENCE
-    # allocate_kv_cache / copy_pages: the reference's functions, in triton's group (OP_GROUPS)
-    assert sources["allocate_kv_cache"] == "triton" and "allocate_kv_cache" in FROM_REFERENCE
+    attention, source = resolve_attention_backend("triton", ctx, ops)
+    assert type(attention) is TritonAttention and source == "triton"
     assert ops.capabilities.fp8 == "weight_only" and "fp8_path" not in ops.names()

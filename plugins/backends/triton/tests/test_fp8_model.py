@@ -28,6 +28,13 @@ def triton_ops():
     return op_table(SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.float32), backend="triton")
 
 
+def triton_attention(ops):
+    from plinth.api import SelectionContext, load_accelerator
+    from plinth.testing import attention_backend
+
+    return attention_backend(SelectionContext(accelerator=load_accelerator("cpu"), dtype=torch.float32), "triton", ops)
+
+
 @pytest.mark.parametrize("scheme", ["block", "tensor"])
 def test_fp8_checkpoint_kept_in_fp8(tmp_path, scheme, caplog):
     from driver import PagedDriver
@@ -44,14 +51,14 @@ def test_fp8_checkpoint_kept_in_fp8(tmp_path, scheme, caplog):
     loader = LlamaLoader()
     cfg = loader.load_config(source)
     with caplog.at_level(logging.INFO, logger="plinth.llama"):
-        model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, progress=False))
+        model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, attention=triton_attention(ops), progress=False))
     assert "kept in FP8, the backend's weight_only path" in caplog.text and "8 projections kept in FP8" in caplog.text
     for layer in model.layers:
         for attr in ("qkv", "o_proj", "gate_up", "down"):
             w = getattr(layer, attr)
             assert type(w) is FP8Linear and w.qweight.dtype == torch.float8_e4m3fn and w.mode == "weight_only", attr
     assert model.layers[0].qkv.shape == (256 + 128 + 128, 256)
-    ours = PagedDriver(model, ops, cfg, page_size=16).prefill_logits(PROMPTS)
+    ours = PagedDriver(model, cfg, page_size=16).prefill_logits(PROMPTS)
     ref = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
     with torch.no_grad():
         worst = max(float((a - ref(torch.tensor([p])).logits[0]).abs().max()) for a, p in zip(ours, PROMPTS))

@@ -7,20 +7,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plinth.api import QuantizedWeight
+from plinth.api import QuantizedWeight, SelectionContext
 from plinth.testing import attention_metadata
-from plinth_plugin_torch import attention as ref_attn
 from plinth_plugin_torch import ops as ref_ops
+from plinth_plugin_torch.attention import TorchAttention
 from plinth_plugin_triton import fp8, moe, norm
-from plinth_plugin_triton.attention import decode_splits, make_attention_ops
+from plinth_plugin_triton.attention import TritonAttention, decode_splits
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-REFERENCE = {
-    "allocate_kv_cache": ref_attn.allocate_kv_cache,
-    "prepare_attention": ref_attn.prepare_attention,
-    "attention": ref_attn.attention,
-    "copy_pages": ref_ops.copy_pages,
-}
+REFERENCE = TorchAttention(SelectionContext())
+
+
+def make_attention() -> TritonAttention:
+    return TritonAttention(SelectionContext())
+
+
+def _step(attention, q, k, v, cache, meta, **kw):
+    meta.plan = attention.build_plan(meta)
+    return attention.forward(q, k, v, cache, meta, **kw)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str = "") -> None:
@@ -36,10 +40,10 @@ def run_steps(dtype, page_size, heads, dim, tables, steps, *, window=None, cap=N
     """Both backends through the same steps from empty caches; every output compared."""
     g = torch.Generator().manual_seed(seed)
     num_heads, num_kv = heads
-    mine = make_attention_ops(REFERENCE)
+    mine = make_attention()
     caches = [
-        table["allocate_kv_cache"](num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype, device=torch.device("cpu"))
-        for table in (mine, REFERENCE)
+        attention.allocate(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv, head_dim=dim, v_head_dim=dim, dtype=dtype, device=torch.device("cpu"))
+        for attention in (mine, REFERENCE)
     ]
     for i, seqs in enumerate(steps):
         t = sum(n for _, n in seqs)
@@ -47,10 +51,9 @@ def run_steps(dtype, page_size, heads, dim, tables, steps, *, window=None, cap=N
         k = torch.randn(t, num_kv, dim, generator=g).to(dtype)
         v = torch.randn(t, num_kv, dim, generator=g).to(dtype)
         outs = []
-        for table, cache in zip((mine, REFERENCE), caches):
+        for attention, cache in zip((mine, REFERENCE), caches):
             meta = attention_metadata(seqs, tables[: len(seqs)], page_size, "cpu")
-            table["prepare_attention"](meta)
-            outs.append(table["attention"](q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window, logit_cap=cap))
+            outs.append(_step(attention, q, k, v, cache, meta, scale=dim**-0.5, sliding_window=window, logit_cap=cap))
         assert_close(outs[0], outs[1], TOL[dtype], f"step {i} {seqs}")
     # the pages themselves: the same K/V written at the same slots
     assert_close(caches[0][0], caches[1][0], 0, "K pages")
@@ -106,20 +109,18 @@ def test_sliding_window_and_logit_cap():
 
 def test_single_decode_token_and_fork():
     """One sequence of one token; then a fork through copy_pages decodes like its parent."""
-    mine = make_attention_ops(REFERENCE)
-    k_pages, v_pages = mine["allocate_kv_cache"](num_pages=8, page_size=7, num_kv_heads=2, head_dim=16, v_head_dim=16, dtype=torch.float32, device=torch.device("cpu"))
+    mine = make_attention()
+    k_pages, v_pages = mine.allocate(num_pages=8, page_size=7, num_kv_heads=2, head_dim=16, v_head_dim=16, dtype=torch.float32, device=torch.device("cpu"))
     q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
     meta = attention_metadata([(0, 1)], [[3]], 7, "cpu")
-    mine["prepare_attention"](meta)
-    out = mine["attention"](q, k, v, (k_pages, v_pages), meta, scale=0.25)
+    out = _step(mine, q, k, v, (k_pages, v_pages), meta, scale=0.25)
     # one key: the output is that key's value for each query head of its group
     assert_close(out, v.repeat_interleave(2, 1), 1e-6, "single token")
-    mine["copy_pages"]([(k_pages, v_pages)], torch.tensor([3]), torch.tensor([5]))
+    mine.copy_pages([(k_pages, v_pages)], torch.tensor([3]), torch.tensor([5]))
     q2 = torch.randn(1, 4, 16).repeat(2, 1, 1)
     k2, v2 = torch.randn(1, 2, 16).repeat(2, 1, 1), torch.randn(1, 2, 16).repeat(2, 1, 1)
     meta = attention_metadata([(1, 1), (1, 1)], [[3], [5]], 7, "cpu")
-    mine["prepare_attention"](meta)
-    out = mine["attention"](q2, k2, v2, (k_pages, v_pages), meta, scale=0.25)
+    out = _step(mine, q2, k2, v2, (k_pages, v_pages), meta, scale=0.25)
     assert_close(out[1], out[0], 1e-6, "fork")
 
 
@@ -304,18 +305,17 @@ def test_offsets_past_2_31_elements_in_one_layers_pool(tmp_path):
     lens = [40, 23]
     small_tables = _tables(8, lens, page_size)
     big_tables = [[num_pages - 1 - 3 * p for p in table] for table in small_tables]
-    mine = make_attention_ops(REFERENCE)
-    small = REFERENCE["allocate_kv_cache"](num_pages=8, page_size=page_size, num_kv_heads=heads[1], head_dim=dim, v_head_dim=dim,
+    mine = make_attention()
+    small = REFERENCE.allocate(num_pages=8, page_size=page_size, num_kv_heads=heads[1], head_dim=dim, v_head_dim=dim,
                                            dtype=torch.bfloat16, device=torch.device("cpu"))  # fmt: skip
     g = torch.Generator().manual_seed(3)
     for step, seqs in enumerate([[(0, 39), (0, 22)], [(39, 1), (22, 1)]]):  # a prefill, then a decode step
         t = sum(n for _, n in seqs)
         q, k, v = (torch.randn(t, h, dim, generator=g).to(torch.bfloat16) for h in (heads[0], heads[1], heads[1]))
         outs = []
-        for table, cache, tables in ((mine, big, big_tables), (REFERENCE, small, small_tables)):
+        for attention, cache, tables in ((mine, big, big_tables), (REFERENCE, small, small_tables)):
             meta = attention_metadata(seqs, tables, page_size, "cpu")
-            table["prepare_attention"](meta)
-            outs.append(table["attention"](q, k, v, cache, meta, scale=dim**-0.5))
+            outs.append(_step(attention, q, k, v, cache, meta, scale=dim**-0.5))
         assert_close(outs[0], outs[1], TOL[torch.bfloat16], f"step {step}")
 
 

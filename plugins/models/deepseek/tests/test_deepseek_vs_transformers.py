@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plinth import LLM, SamplingParams
-from plinth.api import AttentionMetadata, LoadContext, ModelSource, OpTable, SelectionContext, load_hf_config
+from plinth.api import AttentionBackend, AttentionMetadata, LoadContext, ModelSource, OpTable, SelectionContext, load_hf_config
 from plinth_plugin_deepseek.loader import DeepseekLoader
 from plinth_plugin_deepseek.mla import MLALatentSpec
 from tiny_deepseek import VARIANTS, prompts, reference, reference_greedy, saved_model
@@ -28,13 +28,19 @@ def torch_ops() -> OpTable:
     return OpTable(TorchBackend(SelectionContext()).ops())
 
 
+def torch_attention() -> AttentionBackend:
+    from plinth_plugin_torch.attention import TorchAttention
+
+    return TorchAttention(SelectionContext())
+
+
 def load_ours(path: str):
     ops = torch_ops()
     hf = load_hf_config(path)
     source = ModelSource(path=path, format="hf", architecture=hf["architectures"][0], hf_config=hf)
     loader = DeepseekLoader()
     cfg = loader.load_config(source)
-    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, progress=False))
+    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, attention=torch_attention(), progress=False))
     return model, ops, cfg
 
 
@@ -43,7 +49,8 @@ def prefill_logits(model, ops, seqs: list[list[int]], page_size: int) -> list[to
     spec = model.kv_cache_specs()[0]
     pages_each = [-(-len(s) // page_size) for s in seqs]
     order = torch.randperm(sum(pages_each) + 3, generator=torch.Generator().manual_seed(1)).tolist()
-    caches = [ops.allocate_kv_cache(num_pages=len(order), page_size=page_size, dtype=torch.float32, device=torch.device("cpu"), **spec.allocation())
+    attention = model.attention
+    caches = [attention.allocate(num_pages=len(order), page_size=page_size, dtype=torch.float32, device=torch.device("cpu"), **spec.allocation())
               for _ in model.kv_cache_specs()]
     tables, slots, positions, ids, starts = [], [], [], [], [0]
     for s, n in zip(seqs, pages_each):
@@ -59,7 +66,7 @@ def prefill_logits(model, ops, seqs: list[list[int]], page_size: int) -> list[to
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32), page_size=page_size,
         max_query_len=max(lens), max_seq_len=max(lens), query_lens_cpu=lens, seq_lens_cpu=lens,
     )
-    ops.prepare_attention(meta)
+    meta.plan = attention.build_plan(meta)
     with torch.no_grad():
         logits = model.compute_logits(model(torch.tensor(ids), meta.positions, caches, meta))
     return [logits[a:b] for a, b in zip(starts, starts[1:])]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import torch
-from plinth.api import AttentionMetadata, LoadContext, ModelSource, OpTable, SelectionContext, load_hf_config
+from plinth.api import AttentionBackend, AttentionMetadata, LoadContext, ModelSource, OpTable, SelectionContext, load_hf_config
 from plinth_plugin_gemma.loader import GemmaLoader
 
 
@@ -15,6 +15,13 @@ def torch_ops() -> OpTable:
     from plinth_plugin_torch.backend import TorchBackend
 
     return OpTable(TorchBackend(SelectionContext()).ops())
+
+
+def torch_attention() -> AttentionBackend:
+    """The torch backend's attention backend."""
+    from plinth_plugin_torch.attention import TorchAttention
+
+    return TorchAttention(SelectionContext())
 
 
 def load_ours(path: str, ops, *, dtype: torch.dtype = torch.float32):
@@ -26,7 +33,7 @@ def load_ours(path: str, ops, *, dtype: torch.dtype = torch.float32):
         source = ModelSource(path=path, format="hf", architecture=cfg_json["architectures"][0], hf_config=cfg_json)
     loader = GemmaLoader()
     cfg = loader.load_config(source)
-    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=dtype, ops=ops, progress=False))
+    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=dtype, ops=ops, attention=torch_attention(), progress=False))
     return model, cfg
 
 
@@ -36,9 +43,10 @@ def paged_hidden(model, ops, cfg, prompt: list[int], *, page_size: int, chunk: i
     tokens per step into shuffled pages (later chunks attend to the cached
     prefix)."""
     num_pages = -(-len(prompt) // page_size) + 2
+    attention = model.attention  # the attention backend the model was built with lays out the pages
     caches = [
-        ops.allocate_kv_cache(num_pages=num_pages, page_size=page_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                              v_head_dim=cfg.head_dim, dtype=model.embed.dtype, device=torch.device("cpu"))
+        attention.allocate(num_pages=num_pages, page_size=page_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                           v_head_dim=cfg.head_dim, dtype=model.embed.dtype, device=torch.device("cpu"))
         for _ in range(cfg.num_layers)
     ]
     pages = list(range(num_pages))
@@ -54,7 +62,7 @@ def paged_hidden(model, ops, cfg, prompt: list[int], *, page_size: int, chunk: i
             seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=table, page_size=page_size,
             max_query_len=end - start, max_seq_len=end, query_lens_cpu=[end - start], seq_lens_cpu=[end],
         )
-        ops.prepare_attention(meta)
+        meta.plan = attention.build_plan(meta)
         out.append(model(torch.tensor(prompt[start:end]), positions, caches, meta))
     return torch.cat(out)
 

@@ -5,7 +5,7 @@ they are never contiguous), builds ``AttentionMetadata`` for each step, and
 runs greedy decoding. Prompts may be prefilled in chunks, so steps mix
 prefill chunks with a cached prefix and single-token decodes.
 
-    driver = PagedDriver(model, ops, cfg, page_size=16)
+    driver = PagedDriver(model, cfg, page_size=16)  # the model's attention backend lays out the pages
     tokens = driver.greedy(prompts, 32, chunk=None)
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from plinth.api import AttentionMetadata, ModelConfig, OpTable, SelectionContext
+from plinth.api import AttentionBackend, AttentionMetadata, ModelConfig, OpTable, SelectionContext
 
 
 def bundled_gguf_path() -> str | None:
@@ -34,6 +34,13 @@ def torch_ops() -> OpTable:
     return OpTable(TorchBackend(SelectionContext()).ops())
 
 
+def torch_attention() -> AttentionBackend:
+    """The torch backend's attention backend, as the engine hands it to a model."""
+    from plinth_plugin_torch.attention import TorchAttention
+
+    return TorchAttention(SelectionContext())
+
+
 @dataclass
 class Seq:
     tokens: list[int]  # prompt, then generated tokens
@@ -46,7 +53,6 @@ class PagedDriver:
     def __init__(
         self,
         model: Any,
-        ops: Any,
         cfg: ModelConfig,
         *,
         page_size: int,
@@ -56,7 +62,9 @@ class PagedDriver:
         device: str | torch.device = "cpu",
         seed: int = 0,
     ) -> None:
-        self.model, self.ops, self.cfg = model, ops, cfg
+        self.model, self.cfg = model, cfg
+        #: the attention backend the model was built with: it lays out and plans the pages
+        self.attention: AttentionBackend = model.attention
         self.page_size = page_size
         self.device = torch.device(device)
         num_pages = num_pages or -(-max_tokens // page_size) + 8
@@ -65,7 +73,7 @@ class PagedDriver:
         else:
             shapes = [dict(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, v_head_dim=cfg.v_head_dim or cfg.head_dim)] * cfg.num_layers
         self.kv_caches = [
-            ops.allocate_kv_cache(num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device, **shape)
+            self.attention.allocate(num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device, **shape)
             for shape in shapes
         ]
         self.free_pages = list(range(num_pages))
@@ -114,7 +122,7 @@ class PagedDriver:
         per sequence the logits of its last token ([vocab]) or, with
         all_logits, of every token of the step ([n, vocab])."""
         input_ids, meta = self.build(seqs, counts)
-        self.ops.prepare_attention(meta)
+        meta.plan = self.attention.build_plan(meta)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         ends = [int(meta.query_start_loc[i + 1]) for i in range(len(seqs))]
         for seq, n in zip(seqs, counts):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from driver import PagedDriver, torch_ops
+from driver import PagedDriver, torch_attention, torch_ops
 from plinth.api import ConfigError, LoadContext, ModelSource, load_hf_config
 from plinth_plugin_llama.fp8 import fuse_rows
 from plinth_plugin_llama.loader import LlamaLoader
@@ -34,7 +34,7 @@ def load(path: str, ops, dtype=torch.float32):
     source = ModelSource(path=path, format="hf", architecture=hf["architectures"][0], hf_config=hf)
     loader = LlamaLoader()
     cfg = loader.load_config(source)
-    return loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=dtype, ops=ops, progress=False)), cfg
+    return loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=dtype, ops=ops, attention=torch_attention(), progress=False)), cfg
 
 
 def twin_logits(twin: str) -> list[torch.Tensor]:
@@ -53,7 +53,7 @@ def test_fp8_checkpoint_matches_dequantized_twin(root, scheme, caplog):
         model, cfg = load(fp8_dir, ops)
     assert "dequantized at load to float32" in caplog.text and "declare no fp8 path" in caplog.text
     assert model.layers[0].qkv.dtype == torch.float32  # weight-only: dense in the compute dtype
-    ours = PagedDriver(model, ops, cfg, page_size=16).prefill_logits(PROMPTS)
+    ours = PagedDriver(model, cfg, page_size=16).prefill_logits(PROMPTS)
     worst = max(float((a - b).abs().max()) for a, b in zip(ours, twin_logits(twin)))
     assert worst < TOLERANCE, f"max |logit diff| {worst:.3g}"
 

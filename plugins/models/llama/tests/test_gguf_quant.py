@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from driver import PagedDriver, bundled_gguf_path, torch_ops
+from driver import PagedDriver, bundled_gguf_path, torch_attention, torch_ops
 from plinth.api import BackendCapabilities, GGUFFile, LoadContext, ModelSource, OpTable, QuantizedWeight
 from plinth_plugin_llama.gguf_quant import GGUFWeights
 from plinth_plugin_llama.loader import LlamaLoader
@@ -54,7 +54,7 @@ def load(ops, **ctx):
     source = ModelSource(path=path, format="gguf", architecture="llama")
     loader = LlamaLoader()
     cfg = loader.load_config(source)
-    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, progress=False, **ctx))
+    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, attention=torch_attention(), progress=False, **ctx))
     return model, cfg, loader.load_tokenizer(source)
 
 
@@ -77,8 +77,8 @@ def test_kept_weights_are_the_dequantized_model(dequantized, caplog):
     assert "211 linear weights kept in their blocks (210 Q4_1, 1 Q8_0; the tied output head" in caplog.text
     ref_model, _, _ = dequantized
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
-    ours = PagedDriver(model, ops, cfg, page_size=16).prefill_logits(prompts)
-    ref = PagedDriver(ref_model, torch_ops(), cfg, page_size=16).prefill_logits(prompts)
+    ours = PagedDriver(model, cfg, page_size=16).prefill_logits(prompts)
+    ref = PagedDriver(ref_model, cfg, page_size=16).prefill_logits(prompts)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
@@ -102,9 +102,9 @@ def test_only_the_types_the_backend_runs_are_kept(caplog):
 )
 def test_dequantized_paths(ctx, why):
     gguf = GGUFFile(bundled_gguf_path())
-    weights = GGUFWeights(gguf, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=gguf_ops(("Q4_1", "Q8_0")), **ctx), 30)
+    weights = GGUFWeights(gguf, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=gguf_ops(("Q4_1", "Q8_0")), attention=torch_attention(), **ctx), 30)
     assert not weights.kept and why in weights.why
-    none = GGUFWeights(gguf, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=torch_ops()), 30)
+    none = GGUFWeights(gguf, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=torch_ops(), attention=torch_attention()), 30)
     assert not none.kept and "its capabilities declare none" in none.why
 
 

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from driver import PagedDriver, torch_ops
+from driver import PagedDriver, torch_attention, torch_ops
 from plinth.api import LoadContext, ModelSource, load_hf_config
 from plinth_plugin_llama.loader import LlamaLoader
 
@@ -114,7 +114,7 @@ def load_ours(path: str):
     source = ModelSource(path=path, format="hf", architecture=load_hf_config(path)["architectures"][0], hf_config=load_hf_config(path))
     loader = LlamaLoader()
     cfg = loader.load_config(source)
-    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, progress=False))
+    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, attention=torch_attention(), progress=False))
     return model, ops, cfg
 
 
@@ -127,7 +127,7 @@ def root(tmp_path_factory):
 def test_prefill_logits_match_transformers(root, name):
     path = saved_model(name, root)
     model, ops, cfg = load_ours(path)
-    ours = PagedDriver(model, ops, cfg, page_size=16).prefill_logits(prompts())
+    ours = PagedDriver(model, cfg, page_size=16).prefill_logits(prompts())
     ref_model = reference(path)
     worst = 0.0
     with torch.no_grad():
@@ -142,7 +142,7 @@ def test_prefill_logits_match_transformers(root, name):
 def test_greedy_tokens_match_transformers(root, name, page_size):
     path = saved_model(name, root)
     model, ops, cfg = load_ours(path)
-    ours = PagedDriver(model, ops, cfg, page_size=page_size, seed=page_size).greedy(prompts(), NEW_TOKENS)
+    ours = PagedDriver(model, cfg, page_size=page_size, seed=page_size).greedy(prompts(), NEW_TOKENS)
     assert ours == reference_greedy(path)
 
 
@@ -152,7 +152,7 @@ def test_chunked_prefill_mixed_with_decode_matches(root, name):
     every step after the first mixes cached-prefix chunks with decodes."""
     path = saved_model(name, root)
     model, ops, cfg = load_ours(path)
-    ours = PagedDriver(model, ops, cfg, page_size=7, seed=3).greedy(prompts(), NEW_TOKENS, chunk=13)
+    ours = PagedDriver(model, cfg, page_size=7, seed=3).greedy(prompts(), NEW_TOKENS, chunk=13)
     assert ours == reference_greedy(path)
 
 

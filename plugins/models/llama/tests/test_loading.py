@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from driver import PagedDriver, torch_ops
+from driver import PagedDriver, torch_attention, torch_ops
 from plinth.api import ConfigError, GGUFFile, LoadContext, ModelSource, load_hf_config
 from plinth_plugin_llama.loader import LlamaLoader
 from test_llama_vs_transformers import prompts, reference, saved_model
@@ -20,11 +20,11 @@ def root(tmp_path_factory):
 
 
 def _ctx(ops):
-    return LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, progress=False)
+    return LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, attention=torch_attention(), progress=False)
 
 
 def _logits_diff(model, ops, cfg, ref_model) -> float:
-    ours = PagedDriver(model, ops, cfg, page_size=16).prefill_logits(prompts()[:3])
+    ours = PagedDriver(model, cfg, page_size=16).prefill_logits(prompts()[:3])
     worst = 0.0
     with torch.no_grad():
         for prompt, logits in zip(prompts()[:3], ours):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from driver import PagedDriver, torch_ops
+from driver import PagedDriver, torch_attention, torch_ops
 from plinth.api import LoadContext, ModelSource, load_hf_config
 from plinth_plugin_llama.loader import LlamaLoader
 from tiny_moe import prompts, reference, reference_greedy, saved_model
@@ -26,7 +26,7 @@ def load_ours(path: str):
     source = ModelSource(path=path, format="hf", architecture=hf["architectures"][0], hf_config=hf)
     loader = LlamaLoader()
     cfg = loader.load_config(source)
-    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, progress=False))
+    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, attention=torch_attention(), progress=False))
     return model, ops, cfg, loader
 
 
@@ -34,7 +34,7 @@ def load_ours(path: str):
 def test_prefill_logits_match_transformers(root, name):
     path = saved_model(name, root)
     model, ops, cfg, _ = load_ours(path)
-    ours = PagedDriver(model, ops, cfg, page_size=16).prefill_logits(prompts())
+    ours = PagedDriver(model, cfg, page_size=16).prefill_logits(prompts())
     worst = 0.0
     with torch.no_grad():
         for prompt, logits in zip(prompts(), ours):
@@ -47,7 +47,7 @@ def test_prefill_logits_match_transformers(root, name):
 def test_greedy_tokens_match_transformers(root, name):
     path = saved_model(name, root)
     model, ops, cfg, _ = load_ours(path)
-    ours = PagedDriver(model, ops, cfg, page_size=7, seed=1).greedy(prompts(), NEW_TOKENS, chunk=29)
+    ours = PagedDriver(model, cfg, page_size=7, seed=1).greedy(prompts(), NEW_TOKENS, chunk=29)
     assert ours == reference_greedy(path, NEW_TOKENS)
 
 

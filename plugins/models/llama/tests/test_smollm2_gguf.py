@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from driver import PagedDriver, bundled_gguf_path, torch_ops
+from driver import PagedDriver, bundled_gguf_path, torch_attention, torch_ops
 from plinth.api import GGUFFile, LoadContext, ModelSource
 from plinth_plugin_llama.loader import LlamaLoader
 
@@ -28,7 +28,7 @@ def ours():
     loader = LlamaLoader()
     cfg = loader.load_config(source)
     ops = torch_ops()
-    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, progress=False))
+    model = loader.load_model(source, cfg, LoadContext(device=torch.device("cpu"), dtype=torch.float32, ops=ops, attention=torch_attention(), progress=False))
     return model, ops, cfg, loader.load_tokenizer(source)
 
 
@@ -60,7 +60,7 @@ def test_logits_and_greedy_match_transformers(ours, reference):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     assert prompts == [ref_tokenizer.encode(p) for p in PROMPTS]
 
-    logits = PagedDriver(model, ops, cfg, page_size=16).prefill_logits(prompts)
+    logits = PagedDriver(model, cfg, page_size=16).prefill_logits(prompts)
     worst = 0.0
     with torch.no_grad():
         for prompt, ours_logits in zip(prompts, logits):
@@ -69,7 +69,7 @@ def test_logits_and_greedy_match_transformers(ours, reference):
     print(f"SmolLM2 GGUF fp32: max |logit diff| vs transformers = {worst:.3g}")
     assert worst < 1e-3
 
-    ours_tokens = PagedDriver(model, ops, cfg, page_size=16).greedy(prompts, 20)
+    ours_tokens = PagedDriver(model, cfg, page_size=16).greedy(prompts, 20)
     for prompt, tokens in zip(prompts, ours_tokens):
         ids = torch.tensor([prompt])
         with torch.no_grad():

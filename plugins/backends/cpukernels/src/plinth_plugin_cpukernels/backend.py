@@ -12,7 +12,7 @@ import importlib.util
 import os
 from typing import Any, Callable, Mapping
 
-from plinth.api import Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
+from plinth.api import AttentionBackend, Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
 
 from plinth_plugin_cpukernels.gemm import (
     DTYPE_NAMES,
@@ -199,12 +199,16 @@ class CPUKernelsBackend(Backend):
         path = f"a dense copy per weight within {DENSE_COPY_SHARE:.0%} of the memory, {small}; past that budget, {integer} in one order per row"
         return BackendCapabilities(gguf_formats=tuple(GGUF_FORMATS), gguf_path=path, **mode)
 
+    @classmethod
+    def attention_backend(cls, ctx: SelectionContext) -> type[AttentionBackend[Any]]:
+        from plinth_plugin_cpukernels.attention import CPUKernelsAttention
+
+        return CPUKernelsAttention
+
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         import torch.nn.functional as F
 
-        from plinth_plugin_cpukernels.attention import make_attention_ops
         from plinth_plugin_cpukernels.elementwise import make_elementwise_ops
-        from plinth_plugin_cpukernels.fused import make_fused_ops
         from plinth_plugin_cpukernels.kernels import load_kernels
 
         isa = accelerator_isa(self.ctx)
@@ -261,13 +265,6 @@ class CPUKernelsBackend(Backend):
 
             ops.update({"pack_linear": pack, "linear": linear})
         kernels = load_kernels(isa)
-        kernels.set_amx_attention(amx_attention(isa))  # one path per process
-        # the decode kernel reads the reference's KV layout and hands it what
-        # it does not handle; without the reference's attention ops, none
-        if all(op in self.reference for op in ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages")):
-            ops.update(make_attention_ops(kernels, self.reference))
         if all(op in self.reference for op in ("rms_norm", "silu_and_mul", "rotary")):
             ops.update(make_elementwise_ops(kernels, self.reference))
-        if "attention" in ops and "rotary" in ops:
-            ops.update(make_fused_ops(kernels, ops))
         return ops

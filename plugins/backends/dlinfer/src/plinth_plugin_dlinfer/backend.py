@@ -4,8 +4,10 @@ LMDeploy's PyTorch engine runs them (lmdeploy/pytorch/backends/dlinfer/).
 ``check()`` imports nothing: it finds dlinfer with ``find_spec`` and reads
 the vendor it was built for from ``dlinfer/vendor/vendor.yaml`` (written by
 dlinfer's setup.py at build time), then compares it with the chosen
-accelerator's torch device type. The ops (``plinth_plugin_dlinfer.ops``)
-import dlinfer only when this backend is chosen.
+accelerator's torch device type. The compute ops (``plinth_plugin_dlinfer.ops``)
+and the attention backend (``plinth_plugin_dlinfer.attention``: its KV layout,
+page sizes, dtypes and the models it declines) import dlinfer only when this
+backend is built.
 
 The op table (plinth op -> dlinfer op, or why the reference serves it) is
 ``OP_MAP`` below, and the README's table.
@@ -13,12 +15,18 @@ The op table (plinth op -> dlinfer op, or why the reference serves it) is
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import os
 import pathlib
+import subprocess
+import sys
 from typing import Any, Callable, Mapping
 
-from plinth.api import Backend, PluginError, SelectionContext
+from plinth.api import AttentionBackend, Backend, PluginError, SelectionContext
+
+from plinth_plugin_dlinfer.attention import DlinferAttention
 
 log = logging.getLogger("plinth.dlinfer")
 
@@ -28,22 +36,19 @@ VENDOR_DEVICE = {"ascend": "npu", "camb": "mlu", "maca": "cuda"}
 #: (LMDeploy's dlinfer/ascend/op_backend.py); camb keeps its cache
 #: [heads, block, dim] (camb/op_backend.py:23-33) with other metadata
 SUPPORTED_VENDORS = ("ascend",)
-#: the dtypes Ascend's attention kernels (ATB reshape_and_cache, npu_fused_infer_attention_score) take
-DTYPES = ("float16", "bfloat16")
 
 #: plinth op -> the dlinfer op behind it, or "reference: why"
 OP_MAP = {
-    "attention": "fill_kv_cache, then prefill_attention (no cached prefix) / paged_prefill_attention / paged_decode_attention",
-    "prepare_attention": "this plugin: the step metadata LMDeploy's AscendOpsBackend.update_step_context builds",
-    "allocate_kv_cache": "this plugin: Ascend's layout [pages, page_size, kv_heads, head_dim] for K and for V",
-    "copy_pages": "this plugin: index copy along the page dimension (dlinfer has no page copy)",
+    "attention": "its attention backend: fill_kv_cache, then prefill_attention (no cached prefix) / paged_prefill_attention / "
+    "paged_decode_attention, over Ascend's pages [pages, page_size, kv_heads, head_dim], with the step metadata "
+    "LMDeploy's AscendOpsBackend.update_step_context builds; page copies: index copies along the page dimension",
     "rms_norm": "rms_norm; with a residual, add_rms_norm",
     "rotary": "apply_rotary_pos_emb (NeoX halves; GPT-J pairs: the reference)",
     "silu_and_mul": "silu_and_mul",
     "linear": "linear (dense weights; quantized weights: the reference)",
     "pack_linear": "this plugin: dense weights as they are (quantized: the reference)",
     "fused_moe": "fused_moe (renormalize=False: plinth's models weight the experts themselves)",
-    "qkv_attention": "reference: not provided (a fusion dlinfer has no kernel for; models compose rotary + attention)",
+    "qkv_attention": "not provided (a fusion dlinfer has no kernel for; models compose rotary + attention)",
 }
 #: dlinfer ops plinth does not call, and why
 DECLINED = {
@@ -73,31 +78,45 @@ def dlinfer_vendor() -> tuple[str | None, str]:
     return None, f"{path} names no vendor"
 
 
-def page_size_problem(page_size: int) -> str | None:
-    """Why the vendor's paged kernels cannot take ``page_size`` (None: they can).
-    dlinfer asserts nothing; its caller LMDeploy requires it of every
-    vendor (lmdeploy/messages.py:532-535: ``>= 16 and a power of 2``)."""
-    if page_size >= 16 and page_size & (page_size - 1) == 0:
+#: what the backend imports when it is built, run in a child process by check():
+#: dlinfer-ascend 0.2.7 imports lmdeploy and torch_npu at import time (vendor/ascend/
+#: torch_npu_ops.py:19 -> attention.py:4-8 -> framework/lmdeploy_ext/cudagraph/
+#: ascend_cudagraph.py:10-21), and this backend calls the paged decode with the
+#: q_seq_len that dlinfer v0.2.8 added (ops/llm.py:265-282)
+IMPORT_PROBE = """
+import inspect
+import dlinfer.ops, dlinfer.utils.type_annotation
+if "q_seq_len" not in inspect.signature(dlinfer.ops.paged_decode_attention).parameters:
+    raise SystemExit("API: dlinfer " + getattr(__import__("dlinfer"), "__version__", "?") + "'s paged_decode_attention takes no q_seq_len")
+"""
+IMPORT_TIMEOUT_S = 300
+
+
+@functools.lru_cache(maxsize=4)
+def import_problem(path: tuple[str, ...]) -> str | None:
+    """Why dlinfer cannot be imported as the backend will import it (None:
+    it can), asked of a child process with ``path`` as its sys.path: an
+    import that fails leaves half-initialised vendor modules behind, and
+    torch_npu patches torch as it loads, so the server's own process is
+    spared both. The last line of the error is the reason."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    try:
+        proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        return f"importing dlinfer did not finish in {IMPORT_TIMEOUT_S} s (in a child process)"
+    if proc.returncode == 0:
         return None
-    return (
-        f"page size {page_size} is not allowed by dlinfer's paged attention kernels: they take a power of two of "
-        "at least 16 (--page-size 16, 32, 64 or 128; 128 is what LMDeploy runs on Ascend)"
-    )
-
-
-def model_problems(model: Any) -> list[str]:
-    """What in a model's attention dlinfer's kernels cannot do."""
-    if model is None:
-        return []
-    raw = model.raw or {}
-    reasons = []
-    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ()):
-        reasons.append(f"{model.architecture} uses sliding-window attention, which dlinfer's paged attention ops do not take")
-    if raw.get("attn_logit_softcapping"):
-        reasons.append(f"{model.architecture} soft-caps attention logits, which dlinfer's attention ops do not take")
-    if model.v_head_dim is not None and model.v_head_dim != model.head_dim:
-        reasons.append(f"{model.architecture} caches latent (MLA) K/V; this backend lays out only K and V of one head size")
-    return reasons
+    lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+    last = lines[-1].strip() if lines else f"exit status {proc.returncode}"
+    if last.startswith("API: "):
+        return (
+            f"{last.removeprefix('API: ')}: this backend calls dlinfer's v0.2.8 API (the paged decode takes q_seq_len); "
+            "dlinfer-ascend 0.2.7 on PyPI predates it: install dlinfer from source at v0.2.8 or later"
+        )
+    hint = ""
+    if "lmdeploy" in last:
+        hint = " (dlinfer-ascend imports lmdeploy at import time: pip install 'plinth-plugin-dlinfer[ascend]', which brings a matching lmdeploy)"
+    return f"dlinfer cannot be imported (checked in a child process): {last}{hint}"
 
 
 class DlinferBackend(Backend):
@@ -124,13 +143,19 @@ class DlinferBackend(Backend):
                 want = VENDOR_DEVICE[vendor]
                 if device_type != want:
                     reasons.append(f"no {want.upper()} device: dlinfer ({vendor}) runs on {want} devices, the chosen device is {device_type}")
+                elif not reasons:  # chosen for real, on its device: import what the backend will import
+                    problem = import_problem(tuple(p for p in sys.path if p))
+                    if problem:
+                        reasons.append(problem)
             elif device_type not in VENDOR_DEVICE.values():
                 kinds = ", ".join(f"{d} ({v})" for v, d in VENDOR_DEVICE.items())
                 reasons.append(f"no NPU, MLU or MACA device: dlinfer's kernels run on {kinds} devices, the chosen device is {device_type}")
-        if ctx.dtype is not None and str(ctx.dtype).removeprefix("torch.") not in DTYPES:
-            reasons.append(f"dtype {str(ctx.dtype).removeprefix('torch.')}: dlinfer's Ascend attention kernels take {' or '.join(DTYPES)}")
-        reasons.extend(model_problems(ctx.model))
         return reasons
+
+    @classmethod
+    def attention_backend(cls, ctx: SelectionContext) -> type[AttentionBackend[Any]]:
+        # its problems (page size, dtype, the model's attention) are this backend's: see Backend.validate
+        return DlinferAttention
 
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         from plinth_plugin_dlinfer.ops import make_ops

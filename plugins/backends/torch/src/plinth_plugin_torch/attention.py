@@ -1,7 +1,8 @@
-"""Paged attention in plain PyTorch.
+"""Paged attention in plain PyTorch: the reference attention backend
+(``TorchAttention``; ``TorchDeterministicAttention`` under ``--deterministic``).
 
-``prepare_attention`` runs once per step and turns the batch metadata into a
-plan (stashed in ``meta.backend_state["torch"]``) that every layer reuses:
+``build_plan`` runs once per step and turns the batch metadata into a
+plan (``TorchPlan``, in ``meta.plan``) that every layer reuses:
 
 * decode sequences (one query token each) are attended together with two
   batched matmuls over their gathered pages, padded to the longest, with a
@@ -27,9 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from plinth.api import AttentionMetadata
-
-STATE_KEY = "torch"
+from plinth.api import HEADS_FIRST, AttentionBackend, AttentionMetadata, AttentionPlan
 
 
 @dataclass
@@ -66,22 +65,14 @@ class PrefillPlan:
 
 
 @dataclass
-class AttentionPlan:
+class TorchPlan(AttentionPlan):
     num_tokens: int
     slots: torch.Tensor  # slot_mapping as int64
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
 
 
-def prepare_attention(meta: AttentionMetadata) -> None:
-    """Once per step, before the layers: build the plan every layer reuses."""
-    from plinth_plugin_torch.ops import new_step
-
-    new_step()
-    build_plan(meta)
-
-
-def build_plan(meta: AttentionMetadata) -> AttentionPlan:
+def build_plan(meta: AttentionMetadata) -> TorchPlan:
     """This step's plan, from the host-side lengths (no device sync)."""
     query_lens = list(meta.query_lens_cpu)
     seq_lens = list(meta.seq_lens_cpu)
@@ -121,9 +112,7 @@ def build_plan(meta: AttentionMetadata) -> AttentionPlan:
             pages = meta.block_tables[i, : -(-seq_lens[i] // page_size)].long()
         prefills.append(PrefillPlan(start=starts[i], end=starts[i] + n, seq_len=seq_lens[i], pages=pages))
 
-    plan = AttentionPlan(num_tokens=starts[-1], slots=meta.slot_mapping.long(), decode=decode, prefills=prefills)
-    meta.backend_state[STATE_KEY] = plan
-    return plan
+    return TorchPlan(num_tokens=starts[-1], slots=meta.slot_mapping.long(), decode=decode, prefills=prefills)
 
 
 def _additive(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -165,25 +154,9 @@ def _prefill_mask(plan: PrefillPlan, window: int | None, dtype: torch.dtype, dev
     return plan.masks[key]
 
 
-def allocate_kv_cache(
-    num_pages: int,
-    page_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    v_head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One layer's K and V pages, [Hkv, num_pages, page_size, D], zeroed
-    (padded reads must never meet NaN garbage)."""
-    k = torch.zeros(num_kv_heads, num_pages, page_size, head_dim, dtype=dtype, device=device)
-    v = torch.zeros(num_kv_heads, num_pages, page_size, v_head_dim, dtype=dtype, device=device) if v_head_dim else None
-    return k, v
-
-
 def token_major(pages: torch.Tensor) -> torch.Tensor:
     """A writable [num_pages, page_size, Hkv, D] view of a layer's pages."""
-    return pages.permute(1, 2, 0, 3)
+    return HEADS_FIRST.token_major(pages)
 
 
 def _write_pages(pages: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
@@ -202,17 +175,14 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: Any,
-    meta: AttentionMetadata,
+    plan: TorchPlan,
     *,
     scale: float,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
 ) -> torch.Tensor:
-    """Write k, v [T, Hkv, D] into the pages at meta.slot_mapping, then attend
+    """Write k, v [T, Hkv, D] into the pages at the plan's slots, then attend
     q [T, Hq, D] causally over each sequence's pages. -> [T, Hq, Dv]."""
-    plan: AttentionPlan | None = meta.backend_state.get(STATE_KEY)
-    if plan is None:
-        plan = build_plan(meta)
     k_pages, v_pages = kv_cache
     slots = plan.slots
     _write_pages(k_pages, k, slots)
@@ -315,44 +285,34 @@ def _decode(
 DETERMINISTIC_KEY_BLOCK = 32
 #: query rows per pass (bounds the [rows, Hkv, G, block, D] products; rows are independent)
 DETERMINISTIC_ROWS = 64
-ROWS_KEY = "torch.rows"
 
 
 @dataclass
-class RowPlan:
+class RowPlan(AttentionPlan):
     """Each query row's sequence (block table) and position, for the batch-invariant form."""
 
+    slots: torch.Tensor  # [T] int64, slot_mapping
     tables: torch.Tensor  # [T, max_pages] int64: the row's sequence's block table
     positions: torch.Tensor  # [T] int64
     positions_cpu: list[int]
 
 
-def _row_plan(meta: AttentionMetadata) -> RowPlan:
-    plan = meta.backend_state.get(ROWS_KEY)
-    if plan is None:
-        device = meta.block_tables.device
-        positions_cpu: list[int] = []
-        for n, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu):
-            positions_cpu.extend(range(length - n, length))
-        seq_of_row = torch.repeat_interleave(
-            torch.arange(len(meta.query_lens_cpu), device=device),
-            torch.tensor(meta.query_lens_cpu, dtype=torch.long, device=device),
-        )
-        plan = meta.backend_state[ROWS_KEY] = RowPlan(
-            tables=meta.block_tables.index_select(0, seq_of_row).long(),
-            positions=torch.tensor(positions_cpu, dtype=torch.long, device=device),
-            positions_cpu=positions_cpu,
-        )
-    return plan
-
-
-def prepare_deterministic_attention(meta: AttentionMetadata) -> None:
-    """``prepare_attention`` of the batch-invariant form: the row plan."""
-    from plinth_plugin_torch.ops import new_step
-
-    new_step()
-    meta.backend_state.pop(ROWS_KEY, None)
-    _row_plan(meta)
+def build_row_plan(meta: AttentionMetadata) -> RowPlan:
+    """The batch-invariant form's plan, from the host-side lengths."""
+    device = meta.block_tables.device
+    positions_cpu: list[int] = []
+    for n, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu):
+        positions_cpu.extend(range(length - n, length))
+    seq_of_row = torch.repeat_interleave(
+        torch.arange(len(meta.query_lens_cpu), device=device),
+        torch.tensor(meta.query_lens_cpu, dtype=torch.long, device=device),
+    )
+    return RowPlan(
+        slots=meta.slot_mapping.long(),
+        tables=meta.block_tables.index_select(0, seq_of_row).long(),
+        positions=torch.tensor(positions_cpu, dtype=torch.long, device=device),
+        positions_cpu=positions_cpu,
+    )
 
 
 def deterministic_attention(
@@ -360,7 +320,7 @@ def deterministic_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: Any,
-    meta: AttentionMetadata,
+    rows: RowPlan,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -378,12 +338,11 @@ def deterministic_attention(
     the SDPA path on prefill; decode steps cost about the same order as the
     padded matmuls."""
     k_pages, v_pages = kv_cache
-    _write_pages(k_pages, k, meta.slot_mapping.long())
+    _write_pages(k_pages, k, rows.slots)
     if v_pages is None:
         v_pages = k_pages
     else:
-        _write_pages(v_pages, v, meta.slot_mapping.long())
-    rows = _row_plan(meta)
+        _write_pages(v_pages, v, rows.slots)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     head_dim_v = v_pages.shape[-1]
@@ -426,3 +385,43 @@ def deterministic_attention(
             m = m_new
         out[r0:r1] = (acc / den.unsqueeze(-1)).view(n, num_heads, head_dim_v).to(out.dtype)
     return out
+
+
+# ---- the attention backends ----------------------------------------------------------
+
+
+class TorchAttention(AttentionBackend[TorchPlan]):
+    """The reference attention backend: pages ``[Hkv, num_pages, page_size,
+    D]`` (``HEADS_FIRST``), any page size, any floating dtype, sliding
+    windows, soft caps, latent caches (V sharing K's pages)."""
+
+    layout = HEADS_FIRST
+    dtypes = ("float32", "bfloat16", "float16", "float64")
+    plan_type = TorchPlan
+
+    def build_plan(self, meta: AttentionMetadata) -> TorchPlan:
+        from plinth_plugin_torch.ops import new_step
+
+        new_step()  # the rotary memo's step (a positions buffer refilled in place)
+        return build_plan(meta)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, meta: AttentionMetadata, *, scale: float, sliding_window: int | None = None, logit_cap: float | None = None) -> torch.Tensor:
+        return attention(q, k, v, kv_cache, self.plan(meta), scale=scale, sliding_window=sliding_window, logit_cap=logit_cap)
+
+
+class TorchDeterministicAttention(AttentionBackend[RowPlan]):
+    """``--deterministic``: the batch-invariant form (``deterministic_attention``)
+    over the reference's pages."""
+
+    layout = HEADS_FIRST
+    dtypes = TorchAttention.dtypes
+    plan_type = RowPlan
+
+    def build_plan(self, meta: AttentionMetadata) -> RowPlan:
+        from plinth_plugin_torch.ops import new_step
+
+        new_step()
+        return build_row_plan(meta)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, meta: AttentionMetadata, *, scale: float, sliding_window: int | None = None, logit_cap: float | None = None) -> torch.Tensor:
+        return deterministic_attention(q, k, v, kv_cache, self.plan(meta), scale=scale, sliding_window=sliding_window, logit_cap=logit_cap)

@@ -1,15 +1,16 @@
-"""The torch backend: the reference implementation of every op."""
+"""The torch backend: the reference implementation of every op and of
+paged attention (``plinth_plugin_torch.attention``)."""
 
 from __future__ import annotations
 
 import importlib.util
 from typing import Any, Callable, Mapping
 
-from plinth.api import Backend, SelectionContext
+from plinth.api import AttentionBackend, Backend, SelectionContext
 
 
 class TorchBackend(Backend):
-    """Every op in ``OP_NAMES`` but the fusions (``FUSED_OPS``) in plain PyTorch, on any torch device."""
+    """Every op in ``OP_NAMES`` and paged attention in plain PyTorch, on any torch device."""
 
     @classmethod
     def check(cls, ctx: SelectionContext) -> list[str]:
@@ -25,8 +26,15 @@ class TorchBackend(Backend):
             reasons.append(f"activation dtype {ctx.dtype} is not a floating point dtype torch computes in")
         return reasons
 
+    @classmethod
+    def attention_backend(cls, ctx: SelectionContext) -> type[AttentionBackend[Any]]:
+        from plinth_plugin_torch.attention import TorchAttention, TorchDeterministicAttention
+
+        # --deterministic: the batch-invariant form (attention.deterministic_attention)
+        return TorchDeterministicAttention if ctx.deterministic else TorchAttention
+
     def ops(self) -> Mapping[str, Callable[..., Any]]:
-        from plinth_plugin_torch import attention, ops
+        from plinth_plugin_torch import ops
 
         # deterministic mode: every op batch-invariant (the others already are, row by row)
         deterministic = self.ctx.deterministic
@@ -36,10 +44,5 @@ class TorchBackend(Backend):
             "linear": ops.linear_rowwise if deterministic else ops.linear,
             "silu_and_mul": ops.silu_and_mul,
             "rotary": ops.rotary,
-            "allocate_kv_cache": attention.allocate_kv_cache,
-            # --deterministic: the batch-invariant form (attention.deterministic_attention)
-            "prepare_attention": attention.prepare_deterministic_attention if deterministic else attention.prepare_attention,
-            "attention": attention.deterministic_attention if deterministic else attention.attention,
-            "copy_pages": ops.copy_pages,
             "fused_moe": ops.fused_moe_rowwise if deterministic else ops.fused_moe,
         }

@@ -7,7 +7,7 @@ Every op follows the signatures documented with ``OP_NAMES`` in
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -171,7 +171,7 @@ class _RotaryMemo:
     ``positions`` tensor, so the rows are gathered once per step. Keyed by
     identity plus, so that a positions buffer refilled in place is noticed,
     the tensor's version or (inference-mode tensors keep no version) the
-    step count that prepare_attention advances."""
+    step count that the attention backend's build_plan advances."""
 
     __slots__ = ("positions", "version", "step", "table", "dtype", "is_neox", "cos", "sin")
 
@@ -187,11 +187,11 @@ class _RotaryMemo:
 
 
 _rotary_memo = _RotaryMemo()
-_step = 0  # advanced by prepare_attention, once per forward step
+_step = 0  # advanced by the attention backend's build_plan, once per forward step
 
 
 def new_step() -> None:
-    """Called once per step (by prepare_attention): per-step memos expire."""
+    """Called once per step (by the attention backend's build_plan): per-step memos expire."""
     global _step
     _step += 1
 
@@ -262,27 +262,6 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: t
         out = _rotate(joint, cos, sin, is_neox)
         return out[:, : q.shape[1]], out[:, q.shape[1] :]
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
-
-
-# ---- pages -------------------------------------------------------------------------
-
-
-def _index(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    if isinstance(ids, torch.Tensor):
-        return ids.to(device=device, dtype=torch.long)
-    return torch.tensor(list(ids), dtype=torch.long, device=device)
-
-
-def copy_pages(kv_caches: Sequence[Any], src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
-    """Copy whole pages src[i] -> dst[i] in every layer's K and V pages."""
-    if len(src) == 0:
-        return
-    for cache in kv_caches:
-        for pages in cache:
-            if pages is None:
-                continue
-            s, d = _index(src, pages.device), _index(dst, pages.device)
-            pages.index_copy_(1, d, pages.index_select(1, s))  # [Hkv, num_pages, page_size, D]
 
 
 # ---- MoE -----------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""Paged attention in Triton, over the reference backend's KV layout.
+"""Paged attention in Triton: the triton backend's attention backend
+(``TritonAttention``).
 
-Pages are the reference's ``[Hkv, num_pages, page_size, D]`` per layer
-(``allocate_kv_cache`` and ``copy_pages`` come from the reference; this module
-checks the layout once). A token at position ``n`` of sequence ``b`` lives in
+Pages are ``[Hkv, num_pages, page_size, D]`` per layer (``HEADS_FIRST``,
+allocated and copied as the contract's defaults do). A token at position ``n`` of sequence ``b`` lives in
 page ``block_tables[b, n // page_size]`` at offset ``n % page_size``: the
 kernels compute that per key, so any page size works (7, 16, 48, ...).
 
@@ -15,7 +15,7 @@ kernels compute that per key, so any page size works (7, 16, 48, ...).
 * anything else (prefill chunks, a chunk after a cached prefix, mixed steps,
   sequences with no new token): one ragged causal kernel. Grid (query block,
   KV head); the host turns the step's query lengths into a list of query
-  blocks (sequence, first token) once per step in ``prepare_attention``, so
+  blocks (sequence, first token) once per step in ``build_plan``, so
   no block spans two sequences and no device sync is needed. Keys are read
   back from the pages (the chunk's own K/V are written first), masked
   causally with the sequence's cached prefix offset.
@@ -39,16 +39,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-from plinth.api import AttentionMetadata, PluginError
+from plinth.api import HEADS_FIRST, AttentionBackend, AttentionMetadata, AttentionPlan
 
 from plinth_plugin_triton.tuning import tuned
-
-STATE_KEY = "triton"
 
 
 def interpreting() -> bool:
@@ -265,7 +263,7 @@ def _prefill_kernel(
 
 
 @dataclass
-class Plan:
+class Plan(AttentionPlan):
     """This step's launch plan, from host-side lengths (no device sync)."""
 
     decode: bool  # every sequence has exactly one new token
@@ -410,36 +408,20 @@ def paged_attention(
     return out
 
 
-def make_attention_ops(reference: Mapping[str, Callable[..., Any]], *, deterministic: bool = False) -> dict[str, Callable[..., Any]]:
-    """allocate_kv_cache, prepare_attention, attention, copy_pages: the
-    reference's page layout and page copies, these kernels for attention
-    (batch-invariant with ``deterministic``)."""
-    ref_allocate = reference["allocate_kv_cache"]
-    ref_prepare = reference["prepare_attention"]
+class TritonAttention(AttentionBackend[Plan]):
+    """These kernels over ``HEADS_FIRST`` pages (contiguous D), any page
+    size, sliding windows, soft caps, V sharing K's pages; batch-invariant
+    in deterministic mode (one launch of the ragged kernel, see above)."""
 
-    def allocate_kv_cache(num_pages, page_size, num_kv_heads, head_dim, v_head_dim, dtype, device):
-        k, v = ref_allocate(
-            num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            v_head_dim=v_head_dim, dtype=dtype, device=device,
-        )
-        if tuple(k.shape) != (num_kv_heads, num_pages, page_size, head_dim) or k.stride(-1) != 1:
-            raise PluginError(
-                "triton reads the reference KV layout [Hkv, pages, page_size, D] (contiguous D); "
-                f"the reference backend now allocates {tuple(k.shape)} with strides {k.stride()}"
-            )
-        return k, v
+    layout = HEADS_FIRST
+    dtypes = ("float32", "bfloat16", "float16")
+    plan_type = Plan
 
-    def prepare_attention(meta: AttentionMetadata) -> None:
-        # the reference's per-step bookkeeping too: its rotary (which this
-        # backend takes) keys a per-step memo on it
-        ref_prepare(meta)
-        meta.backend_state[STATE_KEY] = build_plan(meta)
+    def build_plan(self, meta: AttentionMetadata) -> Plan:
+        return build_plan(meta)
 
-    def attention(q, k, v, kv_cache, meta, *, scale, sliding_window=None, logit_cap=None):
-        plan: Plan | None = meta.backend_state.get(STATE_KEY)
-        if plan is None:
-            plan = build_plan(meta)
-            meta.backend_state[STATE_KEY] = plan
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, meta: AttentionMetadata, *, scale: float, sliding_window: int | None = None, logit_cap: float | None = None) -> torch.Tensor:
+        plan = self.plan(meta)
         k_pages, v_pages = kv_cache
         _write_pages(k_pages, k, plan.slots)
         if v_pages is None:  # V shares K's pages (MLA-style)
@@ -448,12 +430,5 @@ def make_attention_ops(reference: Mapping[str, Callable[..., Any]], *, determini
             _write_pages(v_pages, v, plan.slots)
         return paged_attention(
             q, k_pages, v_pages, meta, plan, scale=scale, sliding_window=sliding_window, logit_cap=logit_cap,
-            deterministic=deterministic,
+            deterministic=self.ctx.deterministic,
         )
-
-    return {
-        "allocate_kv_cache": allocate_kv_cache,
-        "prepare_attention": prepare_attention,
-        "attention": attention,
-        "copy_pages": reference["copy_pages"],
-    }

@@ -5,10 +5,10 @@ Op by op:
 =================  ================================================================
 op                 source
 =================  ================================================================
-attention          Triton: split-K paged decode (GQA), ragged causal paged prefill
-prepare_attention  Triton plan (query blocks) + the reference's step bookkeeping
-allocate_kv_cache  the reference's pages ([Hkv, pages, page_size, D]; checked)
-copy_pages         the reference (whole-page index copies; no kernel pays)
+attention          its attention backend (``TritonAttention``): split-K paged
+                   decode (GQA), ragged causal paged prefill, over pages
+                   [Hkv, pages, page_size, D] (allocated and copied as the
+                   contract's defaults do: whole-page index copies)
 fused_moe          Triton: grouped GEMMs over expert-sorted, block-aligned tokens
 rms_norm           Triton: one pass, residual add fused
 pack_linear,       FP8 ``QuantizedWeight``: Triton (W8A8 block-scaled on native
@@ -31,12 +31,10 @@ import logging
 import os
 from typing import Any, Callable, Mapping
 
-from plinth.api import Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
+from plinth.api import AttentionBackend, Backend, BackendCapabilities, PluginError, QuantizedWeight, SelectionContext
 
 #: what this backend takes from the reference, and why (logged at start-up)
 FROM_REFERENCE = {
-    "allocate_kv_cache": "the kernels read the reference's page layout",
-    "copy_pages": "whole-page index copies: no kernel pays",
     "silu_and_mul": "fused into fused_moe; dense MLPs use torch's elementwise op",
     "rotary": "no kernel pays yet",
 }
@@ -114,12 +112,17 @@ class TritonBackend(Backend):
         # had is taken from the reference by declaration (FROM_REFERENCE)
         return {}
 
+    @classmethod
+    def attention_backend(cls, ctx: SelectionContext) -> type[AttentionBackend[Any]]:
+        from plinth_plugin_triton.attention import TritonAttention
+
+        return TritonAttention
+
     def ops(self) -> Mapping[str, Callable[..., Any]]:
         from plinth_plugin_triton import fp8, moe, norm
-        from plinth_plugin_triton.attention import make_attention_ops
 
         ref = self.reference
-        missing = [op for op in ("allocate_kv_cache", "prepare_attention", "attention", "copy_pages", "linear", "pack_linear") if op not in ref]
+        missing = [op for op in ("linear", "pack_linear") if op not in ref]
         if missing:
             raise PluginError(f"triton takes {', '.join(missing)} from the reference backend, which is not available")
         for op, reason in FROM_REFERENCE.items():
@@ -138,14 +141,7 @@ class TritonBackend(Backend):
                 return fp8.linear(x, weight, bias)
             return ref_linear(x, weight, bias)
 
-        ops: dict[str, Callable[..., Any]] = dict(make_attention_ops(ref, deterministic=self.ctx.deterministic))
-        ops.update(
-            rms_norm=norm.rms_norm,
-            fused_moe=moe.fused_moe,
-            pack_linear=pack_linear,
-            linear=linear,
-        )
-        return ops
+        return dict(rms_norm=norm.rms_norm, fused_moe=moe.fused_moe, pack_linear=pack_linear, linear=linear)
 
     @classmethod
     def capabilities(cls, ctx: SelectionContext) -> BackendCapabilities:

@@ -205,9 +205,8 @@ class DeepseekLoader(CheckpointLoader):
         )
 
     def required_ops(self, config: ModelConfig) -> Sequence[str]:
-        # attention goes through this plugin's MLA ops (mla.py), not the backend's paged attention
-        base = tuple(op for op in BASE_OPS if op not in ("attention",))
-        return base + (("fused_moe",) if config.num_experts else ())
+        # attention goes through this plugin's MLA ops (mla.py) over the attention backend's pages
+        return BASE_OPS + (("fused_moe",) if config.num_experts else ())
 
     def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> DeepseekV3ForCausalLM:
         cfg = dict(config.raw) if config.raw else self.hf_config(source)
@@ -302,6 +301,7 @@ def build_model(arch: DeepseekArch, top: dict[str, torch.Tensor], per_layer: lis
     return DeepseekV3ForCausalLM(
         arch,
         ops,
+        ctx.attention,
         cos_sin=cos_sin_table(arch).to(device),
         scale=softmax_scale(arch),
         embed=embed,

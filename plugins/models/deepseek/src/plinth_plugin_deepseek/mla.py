@@ -15,9 +15,13 @@ keys and values come from ``kv_b_proj`` (W_UK [H, dn, L], W_UV [H, dv, L]):
 
 These are the reference ops (``mla_prefill``, ``mla_decode``); a backend
 may bring its own under the same names in its op table (the table is open),
-and the model takes those when present. The reference reads the KV layout
-of the torch, cpukernels and triton backends ([Hkv, pages, page_size, D],
-here one head of D = kv_lora_rank + qk_rope_head_dim, no separate V).
+and the model takes those when present. They read the pages as the attention
+backend lays them out (its ``layout``: ``latent_pages`` views them as [pages,
+page_size, width], one head of width = kv_lora_rank + qk_rope_head_dim, no
+separate V), and attend every sequence of the step at once: the sequences'
+contexts gathered into one padded batch [B, S, width] and their queries
+into [B, Q, H, .] (Q the longest query), a causal mask from the positions;
+no loop over sequences and no host sync.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from plinth.api import AttentionMetadata, KVCacheSpec
+from plinth.api import AttentionMetadata, KVCacheLayout, KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -53,82 +57,96 @@ class MLALatentSpec(KVCacheSpec):
         return {"num_kv_heads": 1, "head_dim": self.width, "v_head_dim": 0}
 
 
-def _pages(kv_cache: Any) -> torch.Tensor:
-    """The layer's latent pages as [pages, page_size, width]."""
-    k = kv_cache[0]
-    if k.dim() != 4 or k.shape[0] != 1:
-        raise ValueError(
-            f"the reference MLA ops read a [1, pages, page_size, width] latent cache; this backend allocated {tuple(k.shape)}"
-        )
-    return k[0]
+def latent_pages(layout: KVCacheLayout, kv_cache: Any) -> torch.Tensor:
+    """A layer's latent pages as a [pages, page_size, width] view, whatever
+    the attention backend's layout (its one head selected)."""
+    k = layout.token_major(kv_cache[0])
+    if k.dim() != 4 or k.shape[2] != 1:
+        raise ValueError(f"a latent cache has one head per token; the attention backend allocated {tuple(kv_cache[0].shape)} in {layout.dims}")
+    return k[:, :, 0]
 
 
-def write_latent(kv_cache: Any, latent: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata) -> None:
+def write_latent(pages: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store this step's tokens: latent [T, L] and k_pe [T, R] at their slots."""
-    pages = _pages(kv_cache)
-    num_pages, page_size, width = pages.shape
-    rows = torch.cat((latent, k_pe), dim=-1).to(pages.dtype)
-    pages.view(num_pages * page_size, width).index_copy_(0, meta.slot_mapping, rows)
+    page_size = pages.shape[1]
+    slots = meta.slot_mapping.long()
+    pages[slots // page_size, slots % page_size] = torch.cat((latent, k_pe), dim=-1).to(pages.dtype)
 
 
-def _context(pages: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
-    """Sequence i's cached rows, [seq_len, width], in position order."""
-    seq_len = meta.seq_lens_cpu[i]
-    n = -(-seq_len // meta.page_size)
-    return pages.index_select(0, meta.block_tables[i, :n].long()).reshape(-1, pages.shape[-1])[:seq_len]
+@dataclass
+class _Batch:
+    """The step's sequences as one padded batch (all device tensors)."""
+
+    seq: torch.Tensor  # [T] each token's sequence
+    row: torch.Tensor  # [T] its row among that sequence's queries
+    context: torch.Tensor  # [B, S, width] each sequence's cached rows in position order (padded)
+    hidden: torch.Tensor  # [B, 1, Q, S] True where a query may not see a key (causal, padding)
+    num_queries: int  # Q
 
 
-def _causal_softmax(scores: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """scores [H, n, S] of the sequence's last n queries: softmax over the
-    keys each may see (a query at position p sees keys 0..p), in float32."""
-    n = scores.shape[1]
-    q_pos = torch.arange(seq_len - n, seq_len, device=scores.device)
-    hidden = torch.arange(seq_len, device=scores.device)[None, :] > q_pos[:, None]
-    return torch.softmax(scores.float().masked_fill(hidden, float("-inf")), dim=-1)
+def _batch(pages: torch.Tensor, meta: AttentionMetadata, num_tokens: int, dtype: torch.dtype) -> _Batch:
+    device = pages.device
+    page_size, num_seqs = pages.shape[1], meta.num_seqs
+    span = max(meta.max_seq_len, 1)
+    num_pages = -(-span // page_size)
+    tables = meta.block_tables[:, :num_pages].long()
+    if tables.shape[1] < num_pages:  # a table narrower than the longest context: pad (masked below)
+        tables = torch.nn.functional.pad(tables, (0, num_pages - tables.shape[1]))
+    context = pages.index_select(0, tables.reshape(-1)).view(num_seqs, num_pages * page_size, -1)[:, :span].to(dtype)
+    starts = meta.query_start_loc.to(device=device, dtype=torch.long)
+    token = torch.arange(num_tokens, device=device)
+    seq = torch.searchsorted(starts[1:], token, right=True)
+    row = token - starts[seq]
+    queries = max(meta.max_query_len, 1)
+    # a padded query row sees key 0 only (its output is dropped): no row is all -inf
+    position = torch.zeros(num_seqs, queries, dtype=torch.long, device=device)
+    position[seq, row] = meta.positions.to(device=device, dtype=torch.long)
+    keys = torch.arange(span, device=device)
+    hidden = (keys[None, None, :] > position[:, :, None]).unsqueeze(1)
+    return _Batch(seq=seq, row=row, context=context, hidden=hidden, num_queries=queries)
 
 
-def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: Any,
-                meta: AttentionMetadata, *, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
-    """Expanded form. q_nope [T, H, dn], q_pe [T, H, R], latent [T, L], k_pe
-    [T, R] (rotated); w_uk [H, dn, L], w_uv [H, dv, L]. Writes the step's
-    tokens into the cache, returns [T, H, dv]."""
-    write_latent(kv_cache, latent, k_pe, meta)
-    pages = _pages(kv_cache)
-    rank = w_uk.shape[-1]
-    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
-    starts = meta.query_start_loc.tolist()
-    for i, seq_len in enumerate(meta.seq_lens_cpu):
-        a, b = starts[i], starts[i + 1]
-        if a == b:
-            continue
-        ctx = _context(pages, meta, i).to(q_nope.dtype)
-        c, kpe = ctx[:, :rank], ctx[:, rank:]
-        k_nope = torch.einsum("sl,hdl->hsd", c, w_uk)  # [H, S, dn]
-        v = torch.einsum("sl,hvl->hsv", c, w_uv)  # [H, S, dv]
-        scores = torch.einsum("nhd,hsd->hns", q_nope[a:b], k_nope) + torch.einsum("nhr,sr->hns", q_pe[a:b], kpe)
-        p = _causal_softmax(scores * scale, seq_len).to(v.dtype)
-        out[a:b] = torch.einsum("hns,hsv->nhv", p, v)
+def _padded(x: torch.Tensor, b: _Batch) -> torch.Tensor:
+    """[T, ...] tokens into [B, Q, ...] query rows (zeros where a sequence has fewer)."""
+    out = x.new_zeros(b.context.shape[0], b.num_queries, *x.shape[1:])
+    out[b.seq, b.row] = x
     return out
 
 
-def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: Any,
+def _softmax(scores: torch.Tensor, b: _Batch) -> torch.Tensor:
+    """scores [B, H, Q, S]: softmax over the keys each query may see, in float32 at least."""
+    wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    return torch.softmax(wide.masked_fill(b.hidden, float("-inf")), dim=-1)
+
+
+def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, pages: torch.Tensor,
+                meta: AttentionMetadata, *, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """Expanded form. q_nope [T, H, dn], q_pe [T, H, R], latent [T, L], k_pe
+    [T, R] (rotated); pages [pages, page_size, L + R] (``latent_pages``);
+    w_uk [H, dn, L], w_uv [H, dv, L]. Writes the step's tokens into the
+    pages, returns [T, H, dv]."""
+    write_latent(pages, latent, k_pe, meta)
+    rank = w_uk.shape[-1]
+    b = _batch(pages, meta, q_nope.shape[0], q_nope.dtype)
+    c, kpe = b.context[..., :rank], b.context[..., rank:]
+    k_nope = torch.einsum("bsl,hdl->bhsd", c, w_uk)  # [B, H, S, dn]
+    v = torch.einsum("bsl,hvl->bhsv", c, w_uv)  # [B, H, S, dv]
+    scores = torch.einsum("bqhd,bhsd->bhqs", _padded(q_nope, b), k_nope) + torch.einsum("bqhr,bsr->bhqs", _padded(q_pe, b), kpe)
+    p = _softmax(scores * scale, b).to(v.dtype)
+    return torch.einsum("bhqs,bhsv->bqhv", p, v)[b.seq, b.row]
+
+
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, pages: torch.Tensor,
                meta: AttentionMetadata, *, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
     """Absorbed form, same arguments and result as ``mla_prefill``: the
     queries are projected into the latent space and attend over the cached
     latents directly (correct for any query length; meant for decode)."""
-    write_latent(kv_cache, latent, k_pe, meta)
-    pages = _pages(kv_cache)
+    write_latent(pages, latent, k_pe, meta)
     rank = w_uk.shape[-1]
     q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [T, H, L]
-    o_lat = q_lat.new_empty(q_lat.shape)
-    starts = meta.query_start_loc.tolist()
-    for i, seq_len in enumerate(meta.seq_lens_cpu):
-        a, b = starts[i], starts[i + 1]
-        if a == b:
-            continue
-        ctx = _context(pages, meta, i).to(q_lat.dtype)
-        c, kpe = ctx[:, :rank], ctx[:, rank:]
-        scores = torch.einsum("nhl,sl->hns", q_lat[a:b], c) + torch.einsum("nhr,sr->hns", q_pe[a:b], kpe)
-        p = _causal_softmax(scores * scale, seq_len).to(c.dtype)
-        o_lat[a:b] = torch.einsum("hns,sl->nhl", p, c)
+    b = _batch(pages, meta, q_lat.shape[0], q_lat.dtype)
+    c, kpe = b.context[..., :rank], b.context[..., rank:]
+    scores = torch.einsum("bqhl,bsl->bhqs", _padded(q_lat, b), c) + torch.einsum("bqhr,bsr->bhqs", _padded(q_pe, b), kpe)
+    p = _softmax(scores * scale, b).to(c.dtype)
+    o_lat = torch.einsum("bhqs,bsl->bqhl", p, c)[b.seq, b.row]  # [T, H, L]
     return torch.einsum("thl,hvl->thv", o_lat, w_uv)

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed
-from plinth.api import AllToAll, AttentionMetadata, all_reduce_sum, routed_experts, weights_nbytes
+from plinth.api import AllToAll, AttentionBackend, AttentionMetadata, all_reduce_sum, routed_experts, weights_nbytes
 
 from plinth_plugin_deepseek import mla
 from plinth_plugin_deepseek.mla import MLALatentSpec
@@ -140,12 +140,15 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H];
     compute_logits(hidden [N, H]) -> float32 logits [N, vocab]."""
 
-    def __init__(self, arch: DeepseekArch, ops: Any, *, cos_sin: torch.Tensor, scale: float, embed: torch.Tensor,
+    def __init__(self, arch: DeepseekArch, ops: Any, attention: AttentionBackend[Any], *, cos_sin: torch.Tensor, scale: float, embed: torch.Tensor,
                  norm: torch.Tensor, lm_head: Any, layers: Sequence[DeepseekLayer], num_heads: int | None = None,
                  tp_group: Any = None, tp_rank: int = 0, tp_size: int = 1, a2a: AllToAll | None = None,
                  fixed_order: bool = False) -> None:
         super().__init__()
         self.arch, self.ops = arch, ops
+        #: the attention backend allocates the pages; the MLA ops read them in its layout
+        self.attention = attention
+        self.layout = attention.layout
         #: this rank's heads; with tp > 1 the o and down projections give partial sums, all-reduced over tp_group
         self.num_heads = num_heads or arch.num_heads
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
@@ -165,7 +168,7 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
         spec = MLALatentSpec(self.arch.kv_lora_rank, self.arch.qk_rope_head_dim)
         return [spec] * len(self.layers)
 
-    def attention(self, layer: DeepseekLayer, x: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata) -> torch.Tensor:
+    def self_attention(self, layer: DeepseekLayer, x: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata) -> torch.Tensor:
         ops, arch, eps = self.ops, self.arch, self.arch.rms_norm_eps
         num_tokens = x.shape[0]
         if layer.q_proj is not None:
@@ -179,7 +182,8 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
         # DeepSeek's rope pairs are interleaved (GPT-J style): is_neox=False
         q_pe, k_pe = ops.rotary(q_pe.contiguous(), k_pe.reshape(num_tokens, 1, -1), positions, self.cos_sin, False)
         attend = self.mla_decode if meta.is_decode_only else self.mla_prefill
-        out = attend(q_nope, q_pe, latent, k_pe.reshape(num_tokens, -1), kv_cache, meta, w_uk=layer.w_uk, w_uv=layer.w_uv, scale=self.scale)
+        pages = mla.latent_pages(self.layout, kv_cache)
+        out = attend(q_nope, q_pe, latent, k_pe.reshape(num_tokens, -1), pages, meta, w_uk=layer.w_uk, w_uv=layer.w_uv, scale=self.scale)
         return ops.linear(out.reshape(num_tokens, -1), layer.o_proj)
 
     def mlp(self, layer: DeepseekLayer, x: torch.Tensor, decode: bool) -> torch.Tensor:
@@ -204,7 +208,7 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
                 x = rms_norm(hidden, layer.input_norm, eps)
             else:
                 x, residual = rms_norm(hidden, layer.input_norm, eps, residual)
-            hidden = self.all_reduce(self.attention(layer, x, positions, kv_cache, meta.for_layer(i)))
+            hidden = self.all_reduce(self.self_attention(layer, x, positions, kv_cache, meta.for_layer(i)))
             x, residual = rms_norm(hidden, layer.post_norm, eps, residual)
             hidden = self.all_reduce(self.mlp(layer, x, decode))
         if residual is None:

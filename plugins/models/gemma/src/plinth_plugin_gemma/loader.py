@@ -114,11 +114,12 @@ class GemmaLoader(CheckpointLoader):
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
             max_model_len=arch.max_position_embeddings,
+            sliding_window=max((w for w in arch.sliding_windows if w), default=None),
         )
 
     def required_ops(self, config: ModelConfig) -> tuple[str, ...]:
         # GeGLU is computed in torch (gelu-tanh), not through silu_and_mul
-        return ("rms_norm", "pack_linear", "linear", "rotary", "allocate_kv_cache", "prepare_attention", "attention", "copy_pages")
+        return ("rms_norm", "pack_linear", "linear", "rotary")
 
     def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> Gemma3ForCausalLM:
         if ctx.tp_size > 1 or ctx.ep_size > 1:
@@ -267,6 +268,6 @@ def build_model(arch: GemmaArch, top: dict[str, Any], per_layer: list[dict[str, 
             log.warning("the checkpoint has no lm_head: tying it to the embedding")
         lm_head = embed
     return Gemma3ForCausalLM(
-        arch, ops, embed=embed, norm=put(need(top, "norm", "the final norm")),
+        arch, ops, ctx.attention, embed=embed, norm=put(need(top, "norm", "the final norm")),
         lm_head=ops.pack_linear(put(lm_head)), layers=layers, tables=list(tables.values()),
     )

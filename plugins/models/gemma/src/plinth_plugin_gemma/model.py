@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, weights_nbytes
+from plinth.api import AttentionBackend, AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, weights_nbytes
 
 from plinth_plugin_gemma.arch import GemmaArch
 
@@ -54,10 +54,11 @@ class Gemma3ForCausalLM(torch.nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H];
     compute_logits(hidden [N, H]) -> float32 logits [N, vocab]."""
 
-    def __init__(self, arch: GemmaArch, ops: Any, *, embed: torch.Tensor, norm: torch.Tensor, lm_head: Any, layers: Sequence[GemmaLayer], tables: Sequence[torch.Tensor]) -> None:
+    def __init__(self, arch: GemmaArch, ops: Any, attention: AttentionBackend[Any], *, embed: torch.Tensor, norm: torch.Tensor, lm_head: Any, layers: Sequence[GemmaLayer], tables: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.arch = arch
         self.ops = ops
+        self.attention = attention
         self.layers = list(layers)
         self.embed = embed
         self.norm = norm
@@ -73,7 +74,7 @@ class Gemma3ForCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[Any], meta: AttentionMetadata) -> torch.Tensor:
         ops = self.ops
-        rms_norm, linear, rotary, attention = ops.rms_norm, ops.linear, ops.rotary, ops.attention
+        rms_norm, linear, rotary, attention = ops.rms_norm, ops.linear, ops.rotary, self.attention.forward
         arch = self.arch
         eps, scale, head_dim = arch.rms_norm_eps, arch.scale, arch.head_dim
         num_tokens = input_ids.shape[0]

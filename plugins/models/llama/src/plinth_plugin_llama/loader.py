@@ -135,6 +135,7 @@ class LlamaLoader(CheckpointLoader):
             head_dim=arch.head_dim,
             max_model_len=_max_model_len(arch),
             num_experts=arch.num_experts,
+            sliding_window=max((w for w in arch.sliding_windows if w), default=None),
         )
 
     # ---- weights -----------------------------------------------------------------------
@@ -288,6 +289,7 @@ def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[d
     return LlamaForCausalLM(
         arch,
         ops,
+        ctx.attention,
         cos_sin=cos_sin,
         embed=embed,
         norm=put(need(top, "norm", "the final norm")),

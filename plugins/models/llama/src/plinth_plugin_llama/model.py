@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from plinth.api import AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, weights_nbytes
+from plinth.api import AttentionBackend, AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, weights_nbytes
 
 from plinth_plugin_llama.arch import LlamaArch
 from plinth_plugin_llama.parallel import Parallel
@@ -50,10 +50,11 @@ class LlamaForCausalLM(torch.nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H];
     compute_logits(hidden [N, H]) -> float32 logits [N, vocab]."""
 
-    def __init__(self, arch: LlamaArch, ops: Any, *, cos_sin: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor, lm_head: Any, layers: Sequence[LlamaLayer], par: Parallel | None = None) -> None:
+    def __init__(self, arch: LlamaArch, ops: Any, attention: AttentionBackend[Any], *, cos_sin: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor, lm_head: Any, layers: Sequence[LlamaLayer], par: Parallel | None = None) -> None:
         super().__init__()
         self.arch = arch
         self.ops = ops
+        self.attention = attention
         self.par = par = par or Parallel()
         #: this rank's heads (all of them with one rank)
         self.num_heads = len(par.heads(arch.num_heads))
@@ -68,12 +69,13 @@ class LlamaForCausalLM(torch.nn.Module):
         self.scale = arch.head_dim**-0.5
         self.q_size = self.num_heads * arch.head_dim
         self.kv_size = self.num_kv_heads * arch.head_dim
-        #: the backend's fused attention block, when it offers one (looked up once)
-        self.qkv_attention = getattr(ops, "qkv_attention", None)
+        #: the attention backend's fused block, when it offers one (asked once)
+        self.qkv_attention = attention.qkv_fusion()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[Any], meta: AttentionMetadata) -> torch.Tensor:
         ops = self.ops
-        rms_norm, linear, rotary, attention, silu_and_mul = ops.rms_norm, ops.linear, ops.rotary, ops.attention, ops.silu_and_mul
+        rms_norm, linear, rotary, silu_and_mul = ops.rms_norm, ops.linear, ops.rotary, ops.silu_and_mul
+        attention = self.attention.forward
         eps, scale, cos_sin, qkv_attention = self.eps, self.scale, self.cos_sin, self.qkv_attention
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.arch.head_dim
         q_size, kv_size = self.q_size, self.kv_size

@@ -1,0 +1,5 @@
+"""lmdeploy/pytorch/backends/graph_runner.py: GraphRunner."""
+
+
+class GraphRunner:
+    pass
