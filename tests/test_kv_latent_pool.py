@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from plinth.api import SelectionContext
 from plinth.engine.config import EngineConfig
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.startup import kv_pool_pages
-from plinth.api import SelectionContext
 from plinth_plugin_torch.attention import TorchAttention
 
 mla = pytest.importorskip("plinth_plugin_deepseek.mla")

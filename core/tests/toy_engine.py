@@ -15,9 +15,16 @@ in the window changes the output.
 
 from __future__ import annotations
 
-
 import torch
-from plinth.api import PAGES_FIRST, AttentionBackend, AttentionPlan, FullAttentionSpec, ModelConfig, SelectionContext, SlidingWindowSpec
+from plinth.api import (
+    PAGES_FIRST,
+    AttentionBackend,
+    AttentionPlan,
+    FullAttentionSpec,
+    ModelConfig,
+    SelectionContext,
+    SlidingWindowSpec,
+)
 from plinth.engine.engine import LLMEngine
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner

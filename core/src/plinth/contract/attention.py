@@ -144,7 +144,7 @@ class AttentionBackend(abc.ABC, Generic[PlanT]):
         (call this one too): the model's sliding windows, soft caps or latent
         cache, deterministic mode. Decided from the context alone, importing
         no vendor library (``platform plugins`` asks too)."""
-        reasons = []
+        reasons: list[str] = []
         if ctx.page_size is not None:
             problem = cls.page_sizes.problem(ctx.page_size)
             if problem:

@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from plinth import LLM, SamplingParams
-from plinth.api import AttentionBackend, AttentionMetadata, LoadContext, ModelSource, OpTable, SelectionContext, load_hf_config
+from plinth.api import (
+    AttentionBackend,
+    AttentionMetadata,
+    LoadContext,
+    ModelSource,
+    OpTable,
+    SelectionContext,
+    load_hf_config,
+)
 from plinth_plugin_deepseek.loader import DeepseekLoader
 from plinth_plugin_deepseek.mla import MLALatentSpec
 from tiny_deepseek import VARIANTS, prompts, reference, reference_greedy, saved_model

@@ -6,7 +6,15 @@ from __future__ import annotations
 import random
 
 import torch
-from plinth.api import AttentionBackend, AttentionMetadata, LoadContext, ModelSource, OpTable, SelectionContext, load_hf_config
+from plinth.api import (
+    AttentionBackend,
+    AttentionMetadata,
+    LoadContext,
+    ModelSource,
+    OpTable,
+    SelectionContext,
+    load_hf_config,
+)
 from plinth_plugin_gemma.loader import GemmaLoader
 
 

@@ -37,7 +37,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from plinth.api import HEADS_FIRST, AttentionBackend, AttentionMetadata, AttentionPlan, OpTable, PluginError, QKVAttention, SelectionContext
+from plinth.api import (
+    HEADS_FIRST,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionPlan,
+    OpTable,
+    PluginError,
+    QKVAttention,
+    SelectionContext,
+)
 
 
 def kernel_takes(dtype: Any, head_dim: int, v_head_dim: int, page_dtype: Any) -> bool:

@@ -18,7 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from plinth.api import PAGES_FIRST, AttentionBackend, AttentionMetadata, AttentionPlan, ModelConfig, OpTable, PageSizes, SelectionContext
+from plinth.api import (
+    PAGES_FIRST,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionPlan,
+    ModelConfig,
+    OpTable,
+    PageSizes,
+    SelectionContext,
+)
 
 if TYPE_CHECKING:
     import torch

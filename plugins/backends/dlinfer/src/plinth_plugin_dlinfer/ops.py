@@ -10,6 +10,7 @@ import dlinfer.ops as ext_ops
 import torch
 from dlinfer.utils.type_annotation import MoeMetadata
 
+
 def make_ops(ref: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
     """The op table; ``ref`` serves the cases dlinfer declines."""
     ref_rms, ref_rotary, ref_pack, ref_linear = ref["rms_norm"], ref["rotary"], ref["pack_linear"], ref["linear"]

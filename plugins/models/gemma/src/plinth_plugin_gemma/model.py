@@ -22,7 +22,14 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-from plinth.api import AttentionBackend, AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, weights_nbytes
+from plinth.api import (
+    AttentionBackend,
+    AttentionMetadata,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    weights_nbytes,
+)
 
 from plinth_plugin_gemma.arch import GemmaArch
 

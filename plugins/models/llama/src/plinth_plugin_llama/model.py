@@ -15,7 +15,14 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from plinth.api import AttentionBackend, AttentionMetadata, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, weights_nbytes
+from plinth.api import (
+    AttentionBackend,
+    AttentionMetadata,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    weights_nbytes,
+)
 
 from plinth_plugin_llama.arch import LlamaArch
 from plinth_plugin_llama.parallel import Parallel

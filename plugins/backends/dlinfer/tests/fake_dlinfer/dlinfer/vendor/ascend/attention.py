@@ -4,13 +4,15 @@ dlinfer.framework.lmdeploy_ext. decode_attention's eager branch is computed
 by the fake's torch_npu_ops.paged_decode_attention (kernels); the graph
 capture branches (:21-71) are not modelled."""
 import math  # noqa: F401
+
 import torch  # noqa: F401
-from dlinfer.utils.type_annotation import Tensor, Optional  # noqa: F401
+
 from dlinfer.framework.lmdeploy_ext.cudagraph.ascend_cudagraph import (  # noqa: F401
     AscendGraphRunner,
-    get_graph_params,
     aclgraph_use_torch_npu_update,
+    get_graph_params,
 )
+from dlinfer.utils.type_annotation import Optional, Tensor  # noqa: F401
 
 
 def decode_attention(*args, **kwargs):

@@ -12,15 +12,17 @@ from dlinfer.utils.registry import register_ops
 from dlinfer.utils.type_annotation import MoECommType, MoeMetadata
 from dlinfer.vendor import vendor_ops_registry
 
-from . import kernels
-from .utils import SocVersion, get_cpu_seq_len
+from . import (
+    kernels,
+    moe,  # noqa: E402,F401
+)
 
 # v0.2.7 torch_npu_ops.py:19-20 (the same in v0.2.8 and main): importing the vendor imports
 # its attention module, which imports LMDeploy's graph runner (attention.py:4-8 ->
 # framework/lmdeploy_ext/cudagraph/ascend_cudagraph.py:14-21): dlinfer-ascend cannot be
 # imported without lmdeploy, though its runtime requirements do not name it
 from .attention import decode_attention, decode_attention_mla  # noqa: E402,F401
-from . import moe  # noqa: E402,F401
+from .utils import SocVersion, get_cpu_seq_len
 
 
 def _not_modelled(name):

@@ -6,19 +6,22 @@ runs eager, so ``AscendGraphRunner.capturing`` stays False."""
 import functools
 
 import torch  # noqa: F401
-from lmdeploy.pytorch.model_inputs import get_step_ctx_manager  # noqa: F401
-from lmdeploy.pytorch.models.utils.cudagraph import CudaGraphMeta  # noqa: F401
-from lmdeploy.pytorch.models.utils.cudagraph import CudaGraphMixin  # noqa: F401
-from lmdeploy.pytorch.config import BackendConfig, CacheConfig, ModelConfig  # noqa: F401
-from lmdeploy.pytorch.model_inputs import StepContext, get_step_ctx_manager  # noqa: F401,F811
 from lmdeploy.pytorch.backends.graph_runner import GraphRunner
-
+from lmdeploy.pytorch.config import BackendConfig, CacheConfig, ModelConfig  # noqa: F401
+from lmdeploy.pytorch.model_inputs import (  # noqa: F401,F811
+    StepContext,
+    get_step_ctx_manager,  # noqa: F401
+)
+from lmdeploy.pytorch.models.utils.cudagraph import (
+    CudaGraphMeta,  # noqa: F401
+    CudaGraphMixin,  # noqa: F401
+)
 from lmdeploy.utils import get_logger
 
 logger = get_logger("dlinfer")
 
 
-@functools.lru_cache()
+@functools.lru_cache
 def aclgraph_use_torch_npu_update():
     return False  # :28-37 compares torch_npu's version; the fake has no torch_npu
 
