@@ -124,7 +124,7 @@ def test_the_profile_runs_a_decode_step_too_where_an_a2a_takes_its_decode_path()
     the prefill, both inside ``measure_peak``."""
     from plinth.api import ModelConfig
     from plinth.engine.startup import profile_activation_peak
-    from toy_engine import TOY_OPS, ToyModel
+    from toy_engine import TOY_ATTENTION, ToyModel
 
     seen: list[tuple[int, bool]] = []
 
@@ -144,7 +144,7 @@ def test_the_profile_runs_a_decode_step_too_where_an_a2a_takes_its_decode_path()
                       max_model_len=4096)  # fmt: skip
     acc = Measuring(held=0, peak=123)
     kw = dict(device=torch.device("cpu"), dtype=torch.float64, page_size=4, tokens=24)
-    assert profile_activation_peak(acc, Recording(), TOY_OPS, cfg, **kw) == 123
+    assert profile_activation_peak(acc, Recording(), TOY_ATTENTION, cfg, **kw) == 123
     assert acc.inside == [(24, False)]
-    assert profile_activation_peak(acc, Recording(), TOY_OPS, cfg, decode_seqs=5, **kw) == 123
+    assert profile_activation_peak(acc, Recording(), TOY_ATTENTION, cfg, decode_seqs=5, **kw) == 123
     assert acc.inside == [(24, False), (5, True)]

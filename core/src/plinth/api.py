@@ -3,6 +3,7 @@ contract, ``plinth.contract``, is re-exported) and ``plinth.testing``'s
 public names, never from core internals; anything not listed here may change
 without notice."""
 
+from plinth import modelling
 from plinth.checkpoint import CheckpointLoader
 from plinth.collectives import all_reduce_sum
 from plinth.contract import (
@@ -72,6 +73,35 @@ from plinth.contract import (
 )
 from plinth.errors import ConfigError, PlinthError, PluginError
 from plinth.hookspecs import hookimpl
+from plinth.modelling import (
+    GGUF_DECODER_LAYER,
+    GGUF_DECODER_TOP,
+    GGUF_LAYER,
+    HF_DECODER_LAYER,
+    HF_DECODER_TOP,
+    HF_LAYER,
+    CheckpointTensors,
+    DecoderShape,
+    LayerWeights,
+    NameMap,
+    decoder_shape_from_hf,
+    decoder_sizes,
+    decoder_weight_bytes,
+    dequantize_fp8,
+    fp8_block_size,
+    fuse_fp8_rows,
+    iter_fp8_checkpoint,
+    need,
+    output_head,
+    rope_cos_sin,
+    rope_from_hf,
+    rope_inv_freq,
+    rope_tables,
+    sort_tensors,
+    stack_rows,
+    yarn_mscale,
+    yarn_softmax_scale,
+)
 from plinth.moe import local_experts, routed_experts, tp_token_slice
 from plinth.parsing import (
     INVALID,
@@ -104,6 +134,35 @@ def load_accelerator(name: str = "auto", options: dict | None = None) -> Acceler
 
 
 __all__ = [
+    # the modelling kit (plinth.modelling: the module, and its names)
+    "modelling",
+    "decoder_sizes",
+    "GGUF_DECODER_LAYER",
+    "GGUF_DECODER_TOP",
+    "GGUF_LAYER",
+    "HF_DECODER_LAYER",
+    "HF_DECODER_TOP",
+    "HF_LAYER",
+    "CheckpointTensors",
+    "DecoderShape",
+    "LayerWeights",
+    "NameMap",
+    "decoder_shape_from_hf",
+    "decoder_weight_bytes",
+    "dequantize_fp8",
+    "fp8_block_size",
+    "fuse_fp8_rows",
+    "iter_fp8_checkpoint",
+    "need",
+    "output_head",
+    "rope_cos_sin",
+    "rope_from_hf",
+    "rope_inv_freq",
+    "rope_tables",
+    "sort_tensors",
+    "stack_rows",
+    "yarn_mscale",
+    "yarn_softmax_scale",
     "load_accelerator",
     "missing_methods",
     "op_signature_problems",

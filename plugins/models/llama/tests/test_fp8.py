@@ -14,7 +14,7 @@ import pytest
 import torch
 from driver import PagedDriver, torch_attention, torch_ops
 from plinth.api import ConfigError, LoadContext, ModelSource, load_hf_config
-from plinth_plugin_llama.fp8 import fuse_rows
+from plinth.api import fuse_fp8_rows as fuse_rows
 from plinth_plugin_llama.loader import LlamaLoader
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[4] / "tests"))
@@ -94,3 +94,43 @@ def test_fuse_rows_stacks_blocks_and_per_tensor_scales():
     assert fuse_rows([qw(100, torch.ones(1, 2), (128, 128)), qw(128, torch.ones(1, 2), (128, 128))]) is None  # 100 rows: not whole blocks
     fused = fuse_rows([qw(3, torch.tensor(2.0), None), qw(2, torch.tensor([5.0]), None)])
     assert fused.scale.tolist() == [2, 2, 2, 5, 5] and fused.block_size is None
+
+
+def test_fp8_weights_are_made_on_the_device_with_no_dense_copy_of_kept_projections(root, caplog):
+    """The production placement code (LlamaLoader.load_model) with a backend
+    that declares an FP8 path, on a device other than the host (``meta``: no
+    memory, so a tensor that is not there shows): every tensor handed to the
+    backend's pack_linear must already be on the model's device, and the kept
+    projections reach it only in FP8 (no dense copy is packed first). Before,
+    the FP8 weights stayed on the host (the triton fp8.pack got CPU tensors)
+    and a dense copy of every projection was packed, then swapped."""
+    from plinth.api import BackendCapabilities, OpTable, QuantizedWeight
+
+    device = torch.device("meta")
+    fp8_dir, _ = save_fp8_and_twin(root, "block")
+    base = torch_ops()
+    packed = []
+
+    def pack_linear(weight):
+        tensors = [weight.qweight, weight.scale] if isinstance(weight, QuantizedWeight) else [weight]
+        assert all(t.device == device for t in tensors), f"pack_linear got a tensor on {[str(t.device) for t in tensors]}, not {device}"
+        packed.append(weight)
+        return weight
+
+    ops = OpTable({**{n: getattr(base, n) for n in base.names()}, "pack_linear": pack_linear},
+                  BackendCapabilities(fp8="weight_only", fp8_why="a test backend's FP8 path"))  # fmt: skip
+    hf = load_hf_config(fp8_dir)
+    source = ModelSource(path=fp8_dir, format="hf", architecture=hf["architectures"][0], hf_config=hf)
+    loader = LlamaLoader()
+    cfg = loader.load_config(source)
+    with caplog.at_level(logging.INFO, logger="plinth.llama"):
+        model = loader.load_model(source, cfg, LoadContext(device=device, dtype=torch.bfloat16, ops=ops, attention=torch_attention(), progress=False))
+    kept = [w for w in packed if isinstance(w, QuantizedWeight)]
+    assert len(kept) == 4 * cfg.num_layers and f"{4 * cfg.num_layers} projections kept in FP8" in caplog.text
+    assert all(w.qweight.dtype == torch.float8_e4m3fn for w in kept)
+    projection_shapes = {tuple(w.shape) for w in kept}
+    dense = [tuple(w.shape) for w in packed if not isinstance(w, QuantizedWeight)]
+    assert not projection_shapes & set(dense), f"dense copies packed of kept projections: {dense}"
+    for layer in model.layers:
+        assert all(isinstance(getattr(layer, a), QuantizedWeight) for a in ("qkv", "o_proj", "gate_up", "down"))
+    assert all(t.device == device for t in model.weights() if isinstance(t, torch.Tensor))

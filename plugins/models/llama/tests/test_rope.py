@@ -1,11 +1,12 @@
-"""Rotary tables against transformers' LlamaRotaryEmbedding, every scaling type."""
+"""Rotary tables (the modelling kit's, plinth.api.rope_cos_sin, as the llama
+plugin calls it) against transformers' LlamaRotaryEmbedding, every scaling type."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from plinth.api import rope_cos_sin
 from plinth_plugin_llama.arch import arch_from_hf
-from plinth_plugin_llama.rope import cos_sin_table
 
 ROPES = {
     "default": None,
@@ -32,7 +33,7 @@ def test_cos_sin_match_transformers(name, head_dim):
     positions = torch.arange(1024)[None]
     ref_cos, ref_sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
     arch = arch_from_hf(config.to_dict())
-    table = cos_sin_table(arch.rope, arch.rotary_dim, arch.max_position_embeddings, 1024)
+    table = rope_cos_sin(arch.rope, arch.rotary_dim, arch.max_position_embeddings, 1024)
     half = head_dim // 2
     # transformers repeats each angle for both halves; the table keeps one copy
     torch.testing.assert_close(table[:, :half], ref_cos[0, :, :half], atol=1e-6, rtol=0)

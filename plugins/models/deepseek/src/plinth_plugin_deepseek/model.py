@@ -25,7 +25,16 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed
-from plinth.api import AllToAll, AttentionBackend, AttentionMetadata, all_reduce_sum, routed_experts, weights_nbytes
+from plinth.api import (
+    AllToAll,
+    AttentionBackend,
+    AttentionMetadata,
+    LayerWeights,
+    all_reduce_sum,
+    decoder_weight_bytes,
+    rope_from_hf,
+    routed_experts,
+)
 
 from plinth_plugin_deepseek import mla
 from plinth_plugin_deepseek.mla import MLALatentSpec
@@ -61,9 +70,7 @@ class DeepseekArch:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DeepseekArch":
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope.setdefault("rope_type", rope.get("type", "default"))
+        rope = rope_from_hf(cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -123,17 +130,13 @@ class DeepseekRouter:
         return weights * self.scaling, ids
 
 
-class DeepseekLayer:
+class DeepseekLayer(LayerWeights):
     """One decoder layer's weights (no compute of its own)."""
 
     __slots__ = (
         "input_norm", "q_proj", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "w_uk", "w_uv", "o_proj", "post_norm",
         "gate_up", "down", "router", "w13", "w2", "shared_gate_up", "shared_down",
     )
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, None)
 
 
 class DeepseekV3ForCausalLM(torch.nn.Module):
@@ -234,7 +237,4 @@ class DeepseekV3ForCausalLM(torch.nn.Module):
         """Bytes the weights take (each object once); ``per_token``: without
         the input embedding and the rotary table, which a decode step reads a
         row of."""
-        skip = [self.cos_sin] if per_token else []
-        if per_token and self.embed is not self.lm_head:
-            skip.append(self.embed)
-        return weights_nbytes(self.weights(), skip)
+        return decoder_weight_bytes(self.weights(), tables=[self.cos_sin], embed=self.embed, lm_head=self.lm_head, per_token=per_token)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from plinth.api import ConfigError, GGUFFile
+from plinth.api import ConfigError, DecoderShape, GGUFFile, decoder_shape_from_hf
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 GGUF_ARCHITECTURE = "gemma3"
@@ -18,18 +18,9 @@ DEFAULT_GLOBAL_THETA, DEFAULT_LOCAL_THETA = 1_000_000.0, 10_000.0
 
 
 @dataclass
-class GemmaArch:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
+class GemmaArch(DecoderShape):
     #: per layer: the sliding window (tokens a query sees, itself included), or None (global)
-    sliding_windows: list[int | None]
+    sliding_windows: list[int | None] = field(default_factory=list[int | None])
     #: rope of the global layers and of the sliding ones: rope_type, rope_theta, factor
     rope_global: dict[str, Any] = field(default_factory=dict)
     rope_local: dict[str, Any] = field(default_factory=dict)
@@ -77,7 +68,7 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     local.setdefault("rope_theta", float(cfg.get("rope_local_base_freq") or DEFAULT_LOCAL_THETA))
     for rope in (full, local):
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        if rope["rope_type"] not in ("default", "linear"):
+        if rope["rope_type"] not in ("default", "linear"):  # what Gemma 3 configs use (the kit computes others too)
             raise ConfigError(f"Gemma 3 rope type {rope['rope_type']!r} is not supported (default, linear)")
     return full, local
 
@@ -85,25 +76,17 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 def arch_from_hf(cfg: Mapping[str, Any]) -> GemmaArch:
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError("bidirectional Gemma 3 (an embedding model) is not a causal LM")
-    num_layers = int(cfg["num_hidden_layers"])
-    heads = int(cfg["num_attention_heads"])
+    shape = decoder_shape_from_hf(cfg, max_position_embeddings=131072)
+    num_layers = shape["num_layers"]
     window = cfg.get("sliding_window")
     types = _layer_types(cfg, num_layers)
     if window is None and "sliding_attention" in types:
         raise ConfigError("the config has sliding-window layers but no sliding_window")
     window_size = 0 if window is None else int(window)  # read only by sliding layers, which have one
     full, local = _rope(cfg)
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    head_dim = shape["head_dim"]
     return GemmaArch(
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+        **shape,
         sliding_windows=[window_size if t == "sliding_attention" else None for t in types],
         rope_global=full,
         rope_local=local,

@@ -6,13 +6,10 @@ dequantized to the compute dtype at load."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import re
 from collections import Counter
 from typing import Any, Iterator
 
-import torch
 from plinth.api import (
     CheckpointLoader,
     ConfigError,
@@ -24,6 +21,7 @@ from plinth.api import (
     Tokenizer,
     iter_safetensors,
 )
+from plinth.api import modelling as kit
 
 from plinth_plugin_gemma.arch import GemmaArch, arch_from_hf, hf_config_from_gguf
 from plinth_plugin_gemma.chat import GEMMA3_CHAT_TEMPLATE
@@ -31,55 +29,25 @@ from plinth_plugin_gemma.model import Gemma3ForCausalLM, GemmaLayer
 
 log = logging.getLogger("plinth.gemma")
 
-_HF_GLOBAL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
-_HF_LAYER = {
-    "input_layernorm.weight": "input_norm",
+# the kit's decoder names; Gemma's four norms a layer (its post_attention_layernorm
+# follows the attention's output, not the residual add)
+HF_NAMES = kit.NameMap(kit.HF_DECODER_TOP, {
+    **kit.HF_DECODER_LAYER,
     "post_attention_layernorm.weight": "post_attn_norm",
     "pre_feedforward_layernorm.weight": "pre_mlp_norm",
     "post_feedforward_layernorm.weight": "post_mlp_norm",
-    "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k",
-    "self_attn.v_proj.weight": "v",
-    "self_attn.o_proj.weight": "o",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
-}
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-_GGUF_GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
-_GGUF_LAYER = {
-    "attn_norm.weight": "input_norm",
+})  # fmt: skip
+GGUF_NAMES = kit.NameMap(kit.GGUF_DECODER_TOP, {
+    **kit.GGUF_DECODER_LAYER,
     "post_attention_norm.weight": "post_attn_norm",
     "ffn_norm.weight": "pre_mlp_norm",
     "post_ffw_norm.weight": "post_mlp_norm",
-    "attn_q.weight": "q",
-    "attn_k.weight": "k",
-    "attn_v.weight": "v",
-    "attn_output.weight": "o",
-    "attn_q_norm.weight": "q_norm",
-    "attn_k_norm.weight": "k_norm",
-    "ffn_gate.weight": "gate",
-    "ffn_up.weight": "up",
-    "ffn_down.weight": "down",
-}
-_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+}, layer_re=kit.GGUF_LAYER)  # fmt: skip
 #: per layer, the GGUF weights fused into one linear: kept in blocks only together (of one type:
 #: fused; of several, as llama.cpp's Q4_K_M mixes them in attn_q/k/v: one linear each, see _fuse)
 _GGUF_LINEARS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 _NORMS = ("input_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
 _EMBEDDING, _OUTPUT = "token_embd.weight", "output.weight"
-
-
-def _map_name(name: str, global_map: dict[str, str], layer_map: dict[str, str], layer_re: re.Pattern[str]) -> tuple[int | None, str] | None:
-    if name in global_map:
-        return None, global_map[name]
-    m = layer_re.match(name)
-    if m and m.group(2) in layer_map:
-        return int(m.group(1)), layer_map[m.group(2)]
-    return None
 
 
 class GemmaLoader(CheckpointLoader):
@@ -107,12 +75,7 @@ class GemmaLoader(CheckpointLoader):
             source,
             cfg,
             architecture="Gemma3ForCausalLM",
-            vocab_size=arch.vocab_size,
-            hidden_size=arch.hidden_size,
-            num_layers=arch.num_layers,
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
+            **kit.decoder_sizes(arch),
             max_model_len=arch.max_position_embeddings,
             sliding_window=max((w for w in arch.sliding_windows if w), default=None),
         )
@@ -128,25 +91,17 @@ class GemmaLoader(CheckpointLoader):
         arch = arch_from_hf(cfg)
         if source.format == "gguf":
             tensors = _gguf_tensors(GGUFFile(source.path), ctx, arch.num_layers)
-            names = (_GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_RE)
+            found = kit.sort_tensors(tensors, GGUF_NAMES, arch.num_layers)
         else:
             tensors = iter_safetensors(source.path, dtype=ctx.dtype, progress=ctx.progress)
-            names = (_HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE)
-        top: dict[str, Any] = {}
-        per_layer: list[dict[str, Any]] = [{} for _ in range(arch.num_layers)]
-        for name, tensor in tensors:
-            where = _map_name(name, *names)
-            if where is None:
-                log.debug("ignoring checkpoint tensor %s", name)
-                continue
-            layer, key = where
-            if source.format == "hf" and (key in _NORMS or key == "norm"):
-                tensor = tensor.float() + 1.0  # Gemma scales by (1 + weight); GGUF files store the sum
-            if layer is None:
-                top[key] = tensor
-            elif layer < arch.num_layers:
-                per_layer[layer][key] = tensor
-        return build_model(arch, top, per_layer, ctx)
+            found = kit.sort_tensors(tensors, HF_NAMES, arch.num_layers, transform=_one_plus_norms)
+        return build_model(arch, found.top, found.layers, ctx)
+
+
+def _one_plus_norms(name: str, layer: int | None, key: str, tensor: Any) -> Any:
+    """Gemma scales by (1 + weight): the norms of a Hugging Face checkpoint
+    become the sum (GGUF files store it so), for the plain rms_norm op."""
+    return tensor.float() + 1.0 if key in _NORMS or key == "norm" else tensor
 
 
 def _gguf_tensors(gguf: GGUFFile, ctx: LoadContext, num_layers: int) -> Iterator[tuple[str, Any]]:
@@ -198,76 +153,47 @@ def _fuse(parts: tuple[Any, ...], pack: Any) -> Any:
     its own blocks (the model runs them one by one)."""
     if len({getattr(p, "format", None) for p in parts}) > 1 and all(isinstance(p, QuantizedWeight) for p in parts):
         return tuple(pack(p) for p in parts)
-    return pack(_cat_rows(parts))
-
-
-def _cat_rows(parts: tuple[Any, ...]) -> Any:
-    """Weights stacked along their output rows: tensors by torch.cat, GGUF
-    blocks of one type by stacking their rows of blocks."""
-    if not any(isinstance(p, QuantizedWeight) for p in parts):
-        return torch.cat(parts)
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    rows = sum(p.shape[0] for p in parts)
-    return dataclasses.replace(first, qweight=torch.cat([p.qweight for p in parts]), shape=(rows, first.shape[1]))
-
-
-def rope_table(rope: dict[str, Any], head_dim: int, num_positions: int) -> torch.Tensor:
-    """[num_positions, head_dim] float32, cos of every position's angles then
-    their sin (the rotary op's layout), computed as transformers does:
-    default rope, or linear scaling (frequencies divided by the factor)."""
-    base = float(rope["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
-    if rope.get("rope_type") == "linear":
-        inv_freq = inv_freq / float(rope["factor"])
-    angles = torch.arange(num_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+    return pack(kit.stack_rows(parts))
 
 
 def build_model(arch: GemmaArch, top: dict[str, Any], per_layer: list[dict[str, Any]], ctx: LoadContext) -> Gemma3ForCausalLM:
     """Fuse q/k/v and gate/up, hand every linear weight to ``ops.pack_linear``."""
     ops, device, dtype = ctx.ops, ctx.device, ctx.dtype
 
-    def need(d: dict[str, Any], key: str, where: str) -> Any:
-        if key not in d:
-            raise ConfigError(f"the checkpoint has no {key} weight for {where}")
-        return d[key]
-
     def put(t: Any) -> Any:
         return t if isinstance(t, QuantizedWeight) else t.to(device=device, dtype=dtype).contiguous()
 
-    tables = {
-        "global": rope_table(arch.rope_global, arch.head_dim, arch.max_position_embeddings).to(device),
-        "local": rope_table(arch.rope_local, arch.head_dim, arch.max_position_embeddings).to(device),
-    }
+    # each layer's rope: the local base for sliding-window layers, the global one for the rest
+    ropes = [arch.rope_global if window is None else arch.rope_local for window in arch.sliding_windows]
+    # (the global and local ones first: model.tables lists them in that order)
+    host = kit.rope_tables([arch.rope_global, arch.rope_local, *ropes], arch.head_dim, arch.max_position_embeddings,
+                       arch.max_position_embeddings, family="Gemma 3")  # fmt: skip
+    on_device = {id(t): t.to(device) for t in host}  # layers with one rope share one table
+    per_layer_tables = [on_device[id(t)] for t in host[2:]]
+    tables = list(on_device.values())
     layers = []
     hd = arch.head_dim
     for i, d in enumerate(per_layer):
         where = f"layer {i}"
         layer = GemmaLayer()
-        q, k, v = need(d, "q", where), need(d, "k", where), need(d, "v", where)
+        q, k, v = kit.need(d, "q", where), kit.need(d, "k", where), kit.need(d, "v", where)
         expected = (arch.num_heads * hd, arch.num_kv_heads * hd, arch.num_kv_heads * hd)
         if (q.shape[0], k.shape[0], v.shape[0]) != expected:
             raise ConfigError(f"{where}: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows, the config implies {expected}")
         layer.qkv = _fuse(tuple(put(p) for p in (q, k, v)), ops.pack_linear)
-        layer.o_proj = ops.pack_linear(put(need(d, "o", where)))
-        layer.gate_up = _fuse((put(need(d, "gate", where)), put(need(d, "up", where))), ops.pack_linear)
-        layer.down = ops.pack_linear(put(need(d, "down", where)))
+        layer.o_proj = ops.pack_linear(put(kit.need(d, "o", where)))
+        layer.gate_up = _fuse((put(kit.need(d, "gate", where)), put(kit.need(d, "up", where))), ops.pack_linear)
+        layer.down = ops.pack_linear(put(kit.need(d, "down", where)))
         for name in _NORMS:
-            setattr(layer, name, put(need(d, name, where)))
+            setattr(layer, name, put(kit.need(d, name, where)))
         layer.sliding_window = arch.sliding_windows[i]
-        layer.cos_sin = tables["global" if layer.sliding_window is None else "local"]
+        layer.cos_sin = per_layer_tables[i]
         layers.append(layer)
         d.clear()  # drop the unfused copies as we go
 
-    embed = put(need(top, "embed", "the embedding"))
-    lm_head = top.get("lm_head")
-    if lm_head is None:
-        if not arch.tie_word_embeddings:
-            log.warning("the checkpoint has no lm_head: tying it to the embedding")
-        lm_head = embed
+    embed = put(kit.need(top, "embed", "the embedding"))
+    lm_head = kit.output_head(top, embed, arch.tie_word_embeddings, family="Gemma3ForCausalLM")
     return Gemma3ForCausalLM(
-        arch, ops, ctx.attention, embed=embed, norm=put(need(top, "norm", "the final norm")),
-        lm_head=ops.pack_linear(put(lm_head)), layers=layers, tables=list(tables.values()),
+        arch, ops, ctx.attention, embed=embed, norm=put(kit.need(top, "norm", "the final norm")),
+        lm_head=ops.pack_linear(put(lm_head)), layers=layers, tables=tables,
     )

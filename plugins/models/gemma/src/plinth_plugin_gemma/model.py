@@ -27,8 +27,9 @@ from plinth.api import (
     AttentionMetadata,
     FullAttentionSpec,
     KVCacheSpec,
+    LayerWeights,
     SlidingWindowSpec,
-    weights_nbytes,
+    decoder_weight_bytes,
 )
 
 from plinth_plugin_gemma.arch import GemmaArch
@@ -44,17 +45,13 @@ def _parts(linear: Any, x: torch.Tensor, weight: Any, sizes: tuple[int, ...] | N
     return y.chunk(2, dim=-1) if sizes is None else y.split(sizes, dim=-1)
 
 
-class GemmaLayer:
+class GemmaLayer(LayerWeights):
     """One decoder layer's weights (no compute of its own)."""
 
     __slots__ = (
         "input_norm", "qkv", "q_norm", "k_norm", "o_proj", "post_attn_norm",
         "pre_mlp_norm", "gate_up", "down", "post_mlp_norm", "sliding_window", "cos_sin",
     )
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, None)
 
 
 class Gemma3ForCausalLM(torch.nn.Module):
@@ -138,7 +135,4 @@ class Gemma3ForCausalLM(torch.nn.Module):
         """Bytes the weights take on the device, each object once. With
         ``per_token``, what one decode step reads: not the rotary tables nor
         an untied embedding (one row), but a tied head's whole matrix."""
-        skip = list(self.tables) if per_token else []
-        if per_token and self.embed is not self.lm_head:
-            skip.append(self.embed)
-        return weights_nbytes(self.weights(), skip)
+        return decoder_weight_bytes(self.weights(), tables=self.tables, embed=self.embed, lm_head=self.lm_head, per_token=per_token)

@@ -6,25 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from plinth.api import ConfigError, GGUFFile
+from plinth.api import ConfigError, DecoderShape, GGUFFile, decoder_shape_from_hf, rope_from_hf
 
 #: GGUF general.architecture -> the Hugging Face class it corresponds to
 GGUF_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass
-class LlamaArch:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+class LlamaArch(DecoderShape):
+    architecture: str = ""
+    tie_word_embeddings: bool = False
     #: rope: theta, type and its parameters, as transformers' rope_parameters
     rope: dict[str, Any] = field(default_factory=dict)
     partial_rotary_factor: float = 1.0
@@ -46,20 +37,6 @@ class LlamaArch:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
-
-
-def _rope_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """transformers 5 writes ``rope_parameters`` (with rope_theta inside);
-    older configs have ``rope_theta`` and ``rope_scaling`` at the top."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, Mapping) or ("rope_type" not in params and "type" not in params and "rope_theta" not in params):
-        params = {}  # nested per layer type: not used by this family
-    rope = dict(params)
-    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
-        rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
-    return rope
 
 
 def _sliding_windows(cfg: Mapping[str, Any], arch: str, num_layers: int) -> list[int | None]:
@@ -106,22 +83,12 @@ def _moe_fields(cfg: Mapping[str, Any], arch: str, num_layers: int) -> dict[str,
 def arch_from_hf(cfg: Mapping[str, Any]) -> LlamaArch:
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     arch = archs[0]
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    num_layers = int(cfg["num_hidden_layers"])
-    head_dim = cfg.get("head_dim") or hidden // heads
-    rope = _rope_from_hf(cfg)
+    shape = decoder_shape_from_hf(cfg)
+    num_layers = shape["num_layers"]
+    rope = rope_from_hf(cfg)
     return LlamaArch(
+        **shape,
         architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope=rope,
         partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)),

@@ -19,10 +19,9 @@ What stays quantized and why the rest does not is logged (``plinth.llama``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from plinth.api import GGUFFile, LoadContext, QuantizedWeight
@@ -91,17 +90,3 @@ class GGUFWeights:
         yield from self.gguf.iter_tensors(dtype=self.ctx.dtype, progress=self.ctx.progress, select=lambda n: n not in skip)
         for name in sorted(self.kept):
             yield (OUTPUT if name == EMBEDDING else name), self.gguf.quantized_weight(name)
-
-
-def cat_rows(parts: tuple[Any, ...]) -> Any:
-    """Weights stacked along the output rows: tensors by torch.cat, GGUF
-    QuantizedWeights of one type by stacking their block rows."""
-    if not any(isinstance(p, QuantizedWeight) for p in parts):
-        return torch.cat(parts)
-    first = parts[0]
-    if not all(isinstance(p, QuantizedWeight) and p.format == first.format and p.shape[1] == first.shape[1] for p in parts):
-        raise ValueError("GGUF weights fused into one linear must share their type (GGUFWeights keeps only such groups)")
-    if len(parts) == 1:
-        return first
-    rows = sum(p.shape[0] for p in parts)
-    return dataclasses.replace(first, qweight=torch.cat([p.qweight for p in parts]), shape=(rows, first.shape[1]))

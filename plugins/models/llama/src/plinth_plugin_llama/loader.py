@@ -22,40 +22,24 @@ from plinth.api import (
     QuantizedWeight,
     iter_safetensors,
 )
+from plinth.api import modelling as kit
 
 from plinth_plugin_llama.arch import LlamaArch, arch_from_hf, hf_config_from_gguf
-from plinth_plugin_llama.fp8 import fp8_checkpoint
-from plinth_plugin_llama.gguf_quant import GGUFWeights, cat_rows
+from plinth_plugin_llama.fp8 import fp8_plan
+from plinth_plugin_llama.gguf_quant import GGUFWeights
 from plinth_plugin_llama.model import LlamaForCausalLM, LlamaLayer
 from plinth_plugin_llama.moe import MoEBlock
 from plinth_plugin_llama.parallel import Parallel, head_cols, head_rows, vocab_rows
-from plinth_plugin_llama.rope import cos_sin_table
 
 log = logging.getLogger("plinth.llama")
 
-# checkpoint tensor name -> (layer or None, our name)
-_HF_GLOBAL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+# checkpoint tensor name -> (layer or None, our name): the kit's decoder names,
+# plus the biases, the mixtures of experts' router, Qwen2-MoE's shared expert
+# and its gate, and transformers 5's in-memory fused experts
 _HF_LAYER = {
-    "input_layernorm.weight": "input_norm",
-    "post_attention_layernorm.weight": "post_norm",
-    "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k",
-    "self_attn.v_proj.weight": "v",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.o_proj.weight": "o",
-    "self_attn.o_proj.bias": "o_bias",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
-    "mlp.gate_proj.bias": "gate_bias",
-    "mlp.up_proj.bias": "up_bias",
-    "mlp.down_proj.bias": "down_bias",
-    # mixtures of experts: the router, Qwen2-MoE's shared expert and its gate,
-    # transformers 5's in-memory fused experts (per-expert names: _HF_EXPERT_RE)
+    **kit.HF_DECODER_LAYER,
+    **{f"self_attn.{p}_proj.bias": f"{p}_bias" for p in ("q", "k", "v", "o")},
+    **{f"mlp.{p}_proj.bias": f"{p}_bias" for p in ("gate", "up", "down")},
     "mlp.gate.weight": "router",
     "block_sparse_moe.gate.weight": "router",
     "mlp.shared_expert.gate_proj.weight": "shared_gate_proj",
@@ -65,42 +49,15 @@ _HF_LAYER = {
     "mlp.experts.gate_up_proj": "experts_gate_up",
     "mlp.experts.down_proj": "experts_down",
 }
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 #: per-expert weights: Qwen's gate/up/down_proj, Mixtral's w1 (gate), w3 (up), w2 (down)
 _HF_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-
-_GGUF_GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head", "rope_freqs.weight": "rope_freqs"}
-_GGUF_LAYER = {
-    "attn_norm.weight": "input_norm",
-    "ffn_norm.weight": "post_norm",
-    "attn_q.weight": "q",
-    "attn_k.weight": "k",
-    "attn_v.weight": "v",
-    "attn_q.bias": "q_bias",
-    "attn_k.bias": "k_bias",
-    "attn_v.bias": "v_bias",
-    "attn_output.weight": "o",
-    "attn_output.bias": "o_bias",
-    "attn_q_norm.weight": "q_norm",
-    "attn_k_norm.weight": "k_norm",
-    "ffn_gate.weight": "gate",
-    "ffn_up.weight": "up",
-    "ffn_down.weight": "down",
-}
-_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def _map_name(name: str, global_map: dict[str, str], layer_map: dict[str, str], layer_re: re.Pattern[str]) -> tuple[int | None, str] | None:
-    if name in global_map:
-        return None, global_map[name]
-    m = layer_re.match(name)
-    if m and m.group(2) in layer_map:
-        return int(m.group(1)), layer_map[m.group(2)]
-    e = _HF_EXPERT_RE.match(m.group(2)) if m else None
-    if e:
-        return int(m.group(1)), f"expert.{int(e.group(1))}.{_EXPERT_PART[e.group(2)]}"
-    return None
+HF_NAMES = kit.NameMap(kit.HF_DECODER_TOP, _HF_LAYER, experts=_HF_EXPERT_RE, expert_parts=_EXPERT_PART)
+GGUF_NAMES = kit.NameMap(
+    {**kit.GGUF_DECODER_TOP, "rope_freqs.weight": "rope_freqs"},
+    {**kit.GGUF_DECODER_LAYER, **{f"attn_{p}.bias": f"{p}_bias" for p in ("q", "k", "v")}, "attn_output.bias": "o_bias"},
+    layer_re=kit.GGUF_LAYER,
+)
 
 
 def unpermute_gguf_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -127,12 +84,7 @@ class LlamaLoader(CheckpointLoader):
             source,
             cfg,
             architecture=arch.architecture,
-            vocab_size=arch.vocab_size,
-            hidden_size=arch.hidden_size,
-            num_layers=arch.num_layers,
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
+            **kit.decoder_sizes(arch),
             max_model_len=_max_model_len(arch),
             num_experts=arch.num_experts,
             sliding_window=max((w for w in arch.sliding_windows if w), default=None),
@@ -145,45 +97,40 @@ class LlamaLoader(CheckpointLoader):
         arch = arch_from_hf(cfg)
         par = Parallel.from_ctx(ctx)
         par.check(arch.num_heads, arch.num_kv_heads, arch.num_experts)
-        mine = set(par.local_experts(arch.num_experts)) if arch.num_experts else set()
+        mine = par.local_experts(arch.num_experts) if arch.num_experts else None
+        transform = None
         if source.format == "gguf":
             gguf = GGUFFile(source.path)
-            permute = gguf.architecture == "llama"
             tensors = GGUFWeights(gguf, ctx, arch.num_layers).tensors()
-            names = (_GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_RE)
+            names = GGUF_NAMES
+            transform = _gguf_transform(gguf, arch)
         else:
-            permute = False
-            names = (_HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE)
-            fp8 = fp8_checkpoint(cfg, ctx.ops, ctx.dtype, ctx.tp_size)  # FP8 weights: plinth_plugin_llama.fp8
+            names = HF_NAMES
+            fp8 = fp8_plan(cfg, ctx.ops, ctx.dtype, ctx.tp_size)  # FP8 weights: plinth_plugin_llama.fp8
             if fp8 is not None:
-                tensors = fp8.tensors(source.path, lambda n: _map_name(n, *names))
+                tensors = fp8.tensors(source.path, names, ctx)
             else:
                 tensors = iter_safetensors(source.path, dtype=ctx.dtype, progress=ctx.progress)
+        found = kit.sort_tensors(tensors, names, arch.num_layers, experts=mine, transform=transform)
+        return build_model(arch, found.top, found.layers, ctx, par)
 
-        top: dict[str, Any] = {}  # tensors, or QuantizedWeights kept for the backend
-        per_layer: list[dict[str, Any]] = [{} for _ in range(arch.num_layers)]
-        for name, tensor in tensors:
-            where = _map_name(name, *names)
-            if where is None:
-                log.debug("ignoring checkpoint tensor %s", name)
-                continue
-            layer, key = where
-            if key.startswith("expert.") and int(key.split(".")[1]) not in mine:
-                continue  # another ep rank's expert: never kept
-            if key == "rope_freqs" and source.format == "gguf":
-                tensor = gguf.tensor(name)  # frequency factors stay float32
-            if permute and key in ("q", "q_bias", "k", "k_bias"):
-                heads = arch.num_heads if key.startswith("q") else arch.num_kv_heads
-                if isinstance(tensor, QuantizedWeight):  # rows of blocks: the same row order
-                    tensor = dataclasses.replace(tensor, qweight=unpermute_gguf_rows(tensor.qweight, heads))
-                else:
-                    tensor = unpermute_gguf_rows(tensor, heads)
-            if layer is None:
-                top[key] = tensor
-            elif layer < arch.num_layers:
-                per_layer[layer][key] = tensor
-        model = build_model(arch, top, per_layer, ctx, par)
-        return fp8.finish(model) if source.format != "gguf" and fp8 is not None else model
+
+def _gguf_transform(gguf: GGUFFile, arch: LlamaArch) -> Any:
+    """What a llama.cpp file stores differently: q/k rows reordered at convert
+    time (the llama architecture), frequency factors kept in float32."""
+    permute = gguf.architecture == "llama"
+
+    def transform(name: str, layer: int | None, key: str, tensor: Any) -> Any:
+        if key == "rope_freqs":
+            return gguf.tensor(name)  # frequency factors stay float32
+        if permute and key in ("q", "q_bias", "k", "k_bias"):
+            heads = arch.num_heads if key.startswith("q") else arch.num_kv_heads
+            if isinstance(tensor, QuantizedWeight):  # rows of blocks: the same row order
+                return dataclasses.replace(tensor, qweight=unpermute_gguf_rows(tensor.qweight, heads))
+            return unpermute_gguf_rows(tensor, heads)
+        return tensor
+
+    return transform
 
 
 def _max_model_len(arch: LlamaArch) -> int:
@@ -195,16 +142,14 @@ def _max_model_len(arch: LlamaArch) -> int:
 
 def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[dict[str, torch.Tensor]], ctx: LoadContext, par: Parallel | None = None) -> LlamaForCausalLM:
     """Fuse q/k/v and gate/up (and each expert's gate/up), cut this rank's
-    share, hand every linear weight to ``ops.pack_linear``."""
+    share, hand every linear weight to ``ops.pack_linear``. Quantized weights
+    (GGUF blocks, FP8 ones already on the device) are fused in their format
+    and packed as they are: no dense copy of them is made."""
     ops, device, dtype = ctx.ops, ctx.device, ctx.dtype
     par = par or Parallel()
     heads, kv_heads, hd = par.heads(arch.num_heads), par.kv_heads(arch.num_kv_heads), arch.head_dim
     first_rank = par.tp_rank == 0  # row-parallel biases are added once, before the all-reduce
-
-    def need(d: dict[str, torch.Tensor], key: str, where: str) -> torch.Tensor:
-        if key not in d:
-            raise ConfigError(f"the checkpoint has no {key} weight for {where}")
-        return d[key]
+    fp8_kept = 0
 
     def put(t: Any) -> Any:
         if isinstance(t, QuantizedWeight):  # kept in its blocks for pack_linear (tp = 1 only)
@@ -212,6 +157,20 @@ def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[d
                 raise ConfigError("quantized weights are kept only at tp = 1")
             return t
         return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+    def fused(parts: tuple[Any, ...], where: str) -> Any:
+        """The parts stacked and packed; FP8 parts whose block scales cannot stack are dequantized (on the device)."""
+        nonlocal fp8_kept
+        try:
+            weight = kit.stack_rows(parts)
+        except ValueError as exc:
+            if not all(isinstance(p, QuantizedWeight) and p.format.startswith("fp8") for p in parts):
+                raise
+            log.info("%s: %s: kept dequantized", where, exc)
+            weight = torch.cat([kit.dequantize_fp8(p, dtype) for p in parts])
+        if isinstance(weight, QuantizedWeight) and weight.format.startswith("fp8"):
+            fp8_kept += 1
+        return ops.pack_linear(put(weight))
 
     def whole(cut: Any) -> Any:  # a cut to this rank's share; quantized weights are whole (tp = 1)
         return lambda t, *a: t if isinstance(t, QuantizedWeight) else cut(t, *a)
@@ -243,63 +202,58 @@ def build_model(arch: LlamaArch, top: dict[str, torch.Tensor], per_layer: list[d
     for i, d in enumerate(per_layer):
         where = f"layer {i}"
         layer = LlamaLayer()
-        q, k, v = need(d, "q", where), need(d, "k", where), need(d, "v", where)
+        q, k, v = kit.need(d, "q", where), kit.need(d, "k", where), kit.need(d, "v", where)
         expected = (arch.num_heads * hd, arch.num_kv_heads * hd, arch.num_kv_heads * hd)
         if (q.shape[0], k.shape[0], v.shape[0]) != expected:
             raise ConfigError(f"{where}: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows, the config implies {expected}")
         q, k, v = q_rows(q), kv_rows(k), kv_rows(v)
-        layer.qkv = ops.pack_linear(put(cat_rows((q, k, v))))
+        layer.qkv = fused((q, k, v), f"{where} qkv")
         layer.qkv_bias = put(fused_bias(d, ("q", "k", "v"), [q.shape[0], k.shape[0], v.shape[0]], [q_rows, kv_rows, kv_rows]))
-        layer.o_proj = ops.pack_linear(put(o_cols(need(d, "o", where), heads, hd)))
+        layer.o_proj = fused((o_cols(kit.need(d, "o", where), heads, hd),), f"{where} o")
         layer.o_bias = put(d.get("o_bias")) if first_rank else None
         is_moe = bool(arch.num_experts) and i < len(arch.moe_layers) and arch.moe_layers[i]
         if is_moe:
-            layer.moe = _build_moe(arch, d, where, ops, par, put, need)
+            layer.moe = _build_moe(arch, d, where, ops, par, put)
         else:
-            gate, up = mlp_rows(need(d, "gate", where)), mlp_rows(need(d, "up", where))
-            layer.gate_up = ops.pack_linear(put(cat_rows((gate, up))))
+            gate, up = mlp_rows(kit.need(d, "gate", where)), mlp_rows(kit.need(d, "up", where))
+            layer.gate_up = fused((gate, up), f"{where} gate_up")
             layer.gate_up_bias = put(fused_bias(d, ("gate", "up"), [gate.shape[0], up.shape[0]], [mlp_rows, mlp_rows]))
-            layer.down = ops.pack_linear(put(mlp_cols(need(d, "down", where))))
+            layer.down = fused((mlp_cols(kit.need(d, "down", where)),), f"{where} down")
             layer.down_bias = put(d.get("down_bias")) if first_rank else None
-        layer.input_norm = put(need(d, "input_norm", where))
-        layer.post_norm = put(need(d, "post_norm", where))
+        layer.input_norm = put(kit.need(d, "input_norm", where))
+        layer.post_norm = put(kit.need(d, "post_norm", where))
         if arch.qk_norm or "q_norm" in d:
-            layer.q_norm, layer.k_norm = put(need(d, "q_norm", where)), put(need(d, "k_norm", where))
+            layer.q_norm, layer.k_norm = put(kit.need(d, "q_norm", where)), put(kit.need(d, "k_norm", where))
         layer.sliding_window = arch.sliding_windows[i] if i < len(arch.sliding_windows) else None
         layers.append(layer)
         d.clear()  # drop the unfused copies as we go
 
     first, rows = par.vocab(arch.vocab_size)
-    embed_full = need(top, "embed", "the embedding")
+    embed_full = kit.need(top, "embed", "the embedding")
     embed = put(vocab_rows(embed_full, first, rows)) if par.tp_size > 1 else put(embed_full)
-    lm_head = top.get("lm_head")
-    if lm_head is None:
-        if not arch.tie_word_embeddings:
-            log.warning("the checkpoint has no lm_head: tying it to the embedding")
-        lm_head = embed
-    else:
+    lm_head = kit.output_head(top, embed, arch.tie_word_embeddings, family=arch.architecture)
+    if lm_head is not embed:
         lm_head = put(vocab_rows(lm_head, first, rows)) if par.tp_size > 1 and not isinstance(lm_head, QuantizedWeight) else put(lm_head)
-    cos_sin = cos_sin_table(
-        arch.rope,
-        arch.rotary_dim,
-        arch.max_position_embeddings,
-        _max_model_len(arch),
-        freq_factors=top.get("rope_freqs"),
+    cos_sin = kit.rope_cos_sin(
+        arch.rope, arch.rotary_dim, arch.max_position_embeddings, _max_model_len(arch), freq_factors=top.get("rope_freqs"),
+        family="the llama plugin",
     ).to(device)
+    if fp8_kept:
+        log.info("FP8: %d projections kept in FP8", fp8_kept)
     return LlamaForCausalLM(
         arch,
         ops,
         ctx.attention,
         cos_sin=cos_sin,
         embed=embed,
-        norm=put(need(top, "norm", "the final norm")),
+        norm=put(kit.need(top, "norm", "the final norm")),
         lm_head=ops.pack_linear(lm_head),
         layers=layers,
         par=par,
     )
 
 
-def _build_moe(arch: LlamaArch, d: dict[str, torch.Tensor], where: str, ops: Any, par: Parallel, put: Any, need: Any) -> MoEBlock:
+def _build_moe(arch: LlamaArch, d: dict[str, torch.Tensor], where: str, ops: Any, par: Parallel, put: Any) -> MoEBlock:
     """This rank's experts as w13 [E_local, 2I', H] and w2 [E_local, H, I'] (I'
     = I / tp when ep = 1: each expert split like a dense MLP)."""
     inter = arch.moe_intermediate_size
@@ -308,24 +262,24 @@ def _build_moe(arch: LlamaArch, d: dict[str, torch.Tensor], where: str, ops: Any
     w13, w2 = [], []
     for e in par.local_experts(arch.num_experts):
         if fused_gate_up is not None:  # [E, 2I, H], [E, H, I]
-            gate, up, down = fused_gate_up[e, :inter], fused_gate_up[e, inter:], need(d, "experts_down", where)[e]
+            gate, up, down = fused_gate_up[e, :inter], fused_gate_up[e, inter:], kit.need(d, "experts_down", where)[e]
         else:
-            gate, up, down = (need(d, f"expert.{e}.{part}", f"{where}, expert {e}") for part in ("gate", "up", "down"))
+            gate, up, down = (kit.need(d, f"expert.{e}.{part}", f"{where}, expert {e}") for part in ("gate", "up", "down"))
         w13.append(torch.cat((gate[cut], up[cut])))
         w2.append(down[:, cut])
     shared = {}
     if arch.shared_expert_intermediate_size:
-        gate, up = need(d, "shared_gate_proj", where), need(d, "shared_up", where)
+        gate, up = kit.need(d, "shared_gate_proj", where), kit.need(d, "shared_up", where)
         s = par.split(gate.shape[0])
         shared = dict(
             shared_gate_up=ops.pack_linear(put(torch.cat((gate[s], up[s])))),
-            shared_down=ops.pack_linear(put(need(d, "shared_down", where)[:, s])),
-            shared_gate=ops.pack_linear(put(need(d, "shared_expert_gate", where))),
+            shared_down=ops.pack_linear(put(kit.need(d, "shared_down", where)[:, s])),
+            shared_gate=ops.pack_linear(put(kit.need(d, "shared_expert_gate", where))),
         )
     return MoEBlock(
         ops,
         par,
-        router=ops.pack_linear(put(need(d, "router", where))),
+        router=ops.pack_linear(put(kit.need(d, "router", where))),
         w13=put(torch.stack(w13)),
         w2=put(torch.stack(w2)),
         top_k=arch.num_experts_per_tok,

@@ -20,15 +20,16 @@ from plinth.api import (
     AttentionMetadata,
     FullAttentionSpec,
     KVCacheSpec,
+    LayerWeights,
     SlidingWindowSpec,
-    weights_nbytes,
+    decoder_weight_bytes,
 )
 
 from plinth_plugin_llama.arch import LlamaArch
 from plinth_plugin_llama.parallel import Parallel
 
 
-class LlamaLayer:
+class LlamaLayer(LayerWeights):
     """One decoder layer's weights (no compute of its own)."""
 
     __slots__ = (
@@ -47,10 +48,6 @@ class LlamaLayer:
         "moe",
         "sliding_window",
     )
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, None)
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -170,7 +167,4 @@ class LlamaForCausalLM(torch.nn.Module):
         repack linear weights into objects of its own. ``per_token``: only
         what one decode step reads (the input embedding gives one row, the
         rotary table a few; a tied output head still reads the whole matrix)."""
-        skip = [self.cos_sin] if per_token else []
-        if per_token and self.embed is not self.lm_head:
-            skip.append(self.embed)
-        return weights_nbytes(self.weights(), skip)
+        return decoder_weight_bytes(self.weights(), tables=[self.cos_sin], embed=self.embed, lm_head=self.lm_head, per_token=per_token)
