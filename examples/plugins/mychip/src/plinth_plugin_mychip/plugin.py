@@ -14,7 +14,7 @@ def plinth_register_accelerators() -> list[AcceleratorDescriptor]:
             # `--device auto` takes the highest priority that can run: cuda 100, ascend 90, tpu 80, xpu 70, cpu 0;
             # this example is the host CPU too, so below cpu: chosen by name, or where it is the only one
             priority=-10,
-            api=">=1.0,<2",
+            api=">=2.0,<3",
             description="mychip: the host CPU as an example device (torch cpu, gloo)",
         )
     ]
