@@ -100,10 +100,16 @@ class CUDAAccelerator(Accelerator):
         torch.cuda.synchronize()
 
     def memory(self, index: int = 0) -> tuple[int, int]:
+        """(free, total): free is what an allocation can get, the device's free
+        bytes plus the blocks torch's caching allocator holds unused (after
+        the profile forward it keeps the activation peak and the scratch
+        pool cached: counted as used, the KV budget, which subtracts the
+        peak, would subtract it twice)."""
         import torch
 
         free, total = torch.cuda.mem_get_info(index)
-        return int(free), int(total)
+        cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return int(free + max(0, cached)), int(total)
 
     def measure_peak(self, fn: Callable[[], Any], index: int = 0) -> int:
         # the caching allocator's peak counter, as vLLM's profile run reads it;
