@@ -106,12 +106,15 @@ from plinth.moe import local_experts, routed_experts, tp_token_slice
 from plinth.parsing import (
     INVALID,
     JsonCallView,
+    ThinkReasoningParser,
+    finish_tool_parse,
     held_back,
     is_json_object,
     json_value_end,
     read_json_arguments,
     read_json_call,
     skip_ws,
+    tail_text,
 )
 from plinth.tokenizer import Tokenizer
 from plinth.weights import (
@@ -240,6 +243,9 @@ __all__ = [
     "dequantize_gguf",
     "INVALID",
     "JsonCallView",
+    "ThinkReasoningParser",
+    "finish_tool_parse",
+    "tail_text",
     "held_back",
     "hookimpl",
     "is_json_object",

@@ -1,4 +1,5 @@
-"""Helpers for tool-call and reasoning parsers (exported through ``plinth.api``).
+"""Helpers for tool-call and reasoning parsers (exported through ``plinth.api``),
+and the ``<think>`` reasoning parser the families' plugins share.
 
 Parsers are pure functions of the text so far (see ``plinth.api.ToolParser``):
 these helpers read JSON that may still be arriving, without ever raising.
@@ -10,6 +11,12 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from plinth.contract.parsers import ReasoningParser
+
+if TYPE_CHECKING:
+    from plinth.contract.parsers import ReasoningParse, ToolCallItem, ToolParse
 
 _WS = " \t\r\n"
 _SCALAR = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
@@ -214,3 +221,54 @@ def read_json_arguments(text: str, start: int) -> tuple[str, int | None, bool]:
         return "", INVALID, False
     raw = text[i:end] if end is not None else text[i:]
     return raw, end, end is not None and is_json_object(raw)
+
+
+# ---- what tool and reasoning parsers share ---------------------------------------------------
+
+
+def tail_text(text: str, final: bool, markers: tuple[str, ...]) -> str:
+    """Answer text at the end of the output: all of it when final, else
+    without a possible beginning of a marker."""
+    return text if final else text[: len(text) - held_back(text, markers)]
+
+
+def finish_tool_parse(parts: list[str], calls: "list[ToolCallItem]", final: bool) -> "ToolParse":
+    """The parse of a tool parser: its content parts joined (stripped around
+    calls when final: the blank lines around them are layout) and its calls."""
+    from plinth.contract.parsers import ToolParse
+
+    content = "".join(parts)
+    if final and calls:
+        content = content.strip()
+    return ToolParse(content, calls)
+
+
+class ThinkReasoningParser(ReasoningParser):
+    """``<think>...</think>``, the reasoning format several families share
+    (Qwen3, QwQ, SmolLM3, DeepSeek-R1): each family's plugin registers it (or
+    a subclass) under its own name. The reasoning is open from the start when
+    the output begins with ``<think>``, the prompt ends with it (templates
+    that open it in the prompt) or ``always_open``."""
+
+    START, END = "<think>", "</think>"
+    #: the model always reasons first, whether or not it writes <think> (DeepSeek-R1)
+    always_open = False
+
+    def parse(self, text: str, *, final: bool) -> "ReasoningParse":
+        from plinth.contract.parsers import ReasoningParse
+
+        opened = self.always_open or self.prompt.rstrip().endswith(self.START)
+        s = skip_ws(text, 0)
+        body = 0
+        if text.startswith(self.START, s):
+            opened, body = True, s + len(self.START)
+        elif not final and s < len(text) and self.START.startswith(text[s:]):
+            return ReasoningParse("", "")  # may be the beginning of <think>
+        if not opened:
+            return ReasoningParse("", text)
+        e = text.find(self.END, body)
+        if e < 0:
+            reasoning = tail_text(text[body:], final, (self.END,)).lstrip()
+            return ReasoningParse(reasoning.rstrip() if final else reasoning, "")
+        reasoning = text[body:e].strip() if final else text[body:e].lstrip()
+        return ReasoningParse(reasoning, text[e + len(self.END) :].lstrip())

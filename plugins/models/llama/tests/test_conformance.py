@@ -16,10 +16,8 @@ TOOL_PARSERS = {
     "qwen": "HermesToolParser",
     "llama3_json": "Llama3JsonToolParser",
     "mistral": "MistralToolParser",
-    "deepseek_v3": "DeepSeekV3ToolParser",
-    "kimi_k2": "KimiK2ToolParser",
 }
-REASONING_PARSERS = {"qwen3": "ThinkReasoningParser", "deepseek_r1": "DeepSeekR1ReasoningParser"}
+REASONING_PARSERS = {"qwen3": "ThinkReasoningParser"}
 
 
 class TestConformance(ModelLoaderConformance):

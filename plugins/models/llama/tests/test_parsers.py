@@ -8,10 +8,7 @@ import json
 
 import pytest
 from plinth_plugin_llama.parsers import (
-    DeepSeekR1ReasoningParser,
-    DeepSeekV3ToolParser,
     HermesToolParser,
-    KimiK2ToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
     ThinkReasoningParser,
@@ -58,28 +55,6 @@ GOOD = [
         "Sure.",
         [("get_weather", W), ("get_time", T)],
     ),
-    (
-        DeepSeekV3ToolParser,
-        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
-        f"{WJ}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{TJ}\n```"
-        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-        "",
-        [("get_weather", W), ("get_time", T)],
-    ),
-    (
-        DeepSeekV3ToolParser,
-        f"Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{WJ}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-        "Checking.",
-        [("get_weather", W)],
-    ),
-    (
-        KimiK2ToolParser,
-        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
-        f"{WJ}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{TJ}"
-        "<|tool_call_end|><|tool_calls_section_end|>",
-        "",
-        [("get_weather", W), ("get_time", T)],
-    ),
 ]
 
 MALFORMED = [
@@ -94,10 +69,6 @@ MALFORMED = [
     (MistralToolParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city"'),
     (MistralToolParser, "[TOOL_CALLS]get_weather[ARGS]{oops}"),
     (MistralToolParser, "[TOOL_CALLS]"),
-    (DeepSeekV3ToolParser, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\""),
-    (DeepSeekV3ToolParser, "<｜tool▁calls▁begin｜>garbage"),
-    (KimiK2ToolParser, "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{bad}"),
-    (KimiK2ToolParser, "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"),
 ]
 
 
@@ -169,9 +140,7 @@ def test_stream_holds_back_a_possible_marker():
     assert p.parse('<tool_call>\n{"name": "get_wea', final=False).calls == []  # the name is not complete yet
 
 
-def test_kimi_ids_and_mistral_call_ids_are_kept():
-    out = GOOD[-1][0]([]).parse(GOOD[-1][1], final=True)
-    assert [c.id for c in out.calls] == ["functions.get_weather:0", "functions.get_time:1"]
+def test_mistral_call_ids_are_kept():
     out = MistralToolParser([]).parse(f"[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{TJ}", final=True)
     assert out.calls[0].id == "a1B2c3D4e"
 
@@ -187,8 +156,6 @@ REASONING = [
     (ThinkReasoningParser, "<|im_start|>assistant\n<think>\n", "Hmm, a colour.\n</think>\n\nBlue.", "Hmm, a colour.", "Blue."),
     # cut off while reasoning
     (ThinkReasoningParser, "", "<think>\nstill thinking", "still thinking", ""),
-    (DeepSeekR1ReasoningParser, "<｜Assistant｜>", "Hmm.\n</think>\n\nBlue.", "Hmm.", "Blue."),
-    (DeepSeekR1ReasoningParser, "<｜Assistant｜>", "<think>\nHmm.\n</think>\n\nBlue.", "Hmm.", "Blue."),
 ]
 
 

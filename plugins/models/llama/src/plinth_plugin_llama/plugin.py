@@ -1,5 +1,6 @@
 """Entry point: registers the loader and the tool-call / reasoning parsers of
-the families it serves; imports nothing heavy (no torch)."""
+the families it serves (DeepSeek's and Kimi's are the deepseek plugin's);
+imports nothing heavy (no torch)."""
 
 from plinth.api import ModelDescriptor, ReasoningParserDescriptor, ToolParserDescriptor, hookimpl
 
@@ -53,20 +54,6 @@ def plinth_register_tool_parsers():
             template_markers=("[TOOL_CALLS]",),
             description="[TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...} (Mistral)",
         ),
-        ToolParserDescriptor(
-            name="deepseek_v3",
-            impl=f"{_PARSERS}:DeepSeekV3ToolParser",
-            priority=10,
-            template_markers=("<｜tool▁calls▁begin｜>",),
-            description="<｜tool▁call▁begin｜>...<｜tool▁call▁end｜> (DeepSeek-V3, V3.1, R1)",
-        ),
-        ToolParserDescriptor(
-            name="kimi_k2",
-            impl=f"{_PARSERS}:KimiK2ToolParser",
-            priority=10,
-            template_markers=("<|tool_calls_section_begin|>",),
-            description="<|tool_call_begin|>functions.name:i<|tool_call_argument_begin|>{...} (Kimi K2)",
-        ),
     ]
 
 
@@ -79,10 +66,5 @@ def plinth_register_reasoning_parsers():
             priority=10,
             template_markers=("<think>",),
             description="<think>...</think> when the output or the prompt opens it (Qwen3, QwQ, SmolLM3)",
-        ),
-        ReasoningParserDescriptor(
-            name="deepseek_r1",
-            impl=f"{_PARSERS}:DeepSeekR1ReasoningParser",
-            description="reasoning until </think>, <think> optional (DeepSeek-R1)",
         ),
     ]
