@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from plinth.api import PLUGIN_API_VERSION
 from plinth.testing import IsolatedEnv
 
 pytestmark = pytest.mark.slow
@@ -70,7 +71,7 @@ def test_core_alone_lists_no_plugins_and_says_how_to_install(venv: IsolatedEnv) 
     assert "make setup" in proc.stdout
 
     doc, _ = plugins_json(venv)
-    assert doc["plugins"] == [] and doc["plugin_api"] == "2.0"
+    assert doc["plugins"] == [] and doc["plugin_api"] == PLUGIN_API_VERSION
 
     # choosing needs a plugin: the error says none is installed and how to get one
     proc = venv.platform("plugins", "--check")
@@ -224,7 +225,7 @@ def test_two_distributions_registering_one_name_is_an_error_naming_both(venv: Is
 
 def test_plugin_for_another_api_version_is_incompatible(venv: IsolatedEnv) -> None:
     only(venv, "plinth-plugin-npu", "plinth-plugin-future")
-    why = "supports plugin API >=3,<4, core provides 2.0"
+    why = f"supports plugin API >=3,<4, core provides {PLUGIN_API_VERSION}"
 
     future = rows_by_name(plugins_json(venv)[0])["future"]
     assert (future["status"], future["reasons"], future["distribution"]) == ("incompatible", [why], "plinth-plugin-future")

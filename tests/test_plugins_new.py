@@ -24,13 +24,14 @@ from plinth.scaffold import KINDS
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 #: one name per category, with the separators a name may have
-NAMES = {"accelerator": "acme-npu", "a2a": "acme_a2a", "kv_connector": "acmekv", "proposer": "acme-spec"}
-#: the methods each scaffold leaves to write (the class prefix follows the name)
+NAMES = {"accelerator": "acme-npu", "a2a": "acme_a2a", "kv_connector": "acmekv", "proposer": "acme-spec", "parser": "acme-fmt"}
+#: per category of `new`: (the category its plugin registers in, the methods left to write, as reasons name them)
 STUBS = {
-    "accelerator": ["AcmeNpuAccelerator.info", "AcmeNpuAccelerator.memory"],
-    "a2a": ["AcmeA2aAllToAll.combine", "AcmeA2aAllToAll.dispatch"],
-    "kv_connector": ["AcmekvConnector.load", "AcmekvConnector.lookup", "AcmekvConnector.save"],
-    "proposer": ["AcmeSpecProposer.propose"],
+    "accelerator": [("accelerator", "AcmeNpuAccelerator.info, AcmeNpuAccelerator.memory")],
+    "a2a": [("a2a", "AcmeA2aAllToAll.combine, AcmeA2aAllToAll.dispatch")],
+    "kv_connector": [("kv_connector", "AcmekvConnector.load, AcmekvConnector.lookup, AcmekvConnector.save")],
+    "proposer": [("proposer", "AcmeSpecProposer.propose")],
+    "parser": [("tool_parser", "AcmeFmtToolParser.parse"), ("reasoning_parser", "AcmeFmtReasoningParser.parse")],
 }
 
 
@@ -79,7 +80,7 @@ def test_new_writes_distributions_that_pass_ruff_and_pyright(tmp_path: Path, cap
         assert (folder / "README.md").is_file() and (folder / "tests" / "test_conformance.py").is_file()
         assert (folder / "src" / package / "plugin.py").is_file() and (folder / "src" / package / f"{KINDS[category].module}.py").is_file()
         readme = (folder / "README.md").read_text()
-        assert all(stub.split(".")[1] in readme for stub in STUBS[category]), readme
+        assert all(f"`{stub}()`" in readme for _, stubs in STUBS[category] for stub in stubs.split(", ")), readme
         assert f"pip install -e {folder}" in out and f"platform plugins check {folder}" in out
     ruff = run(str(BIN / "ruff"), "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(tmp_path))
     assert ruff.returncode == 0, ruff.stdout + ruff.stderr
@@ -113,20 +114,22 @@ def test_a_new_plugin_installs_is_unavailable_and_its_tests_and_check_name_what_
 
     listing = run(str(BIN / "platform"), "plugins", "--json", env=env)
     rows = {(r["category"], r["name"]): r for r in json.loads(listing.stdout)["plugins"]}
-    for category, stubs in STUBS.items():
-        row = rows[(category, NAMES[category])]
-        assert row["status"] == "unavailable", row
-        assert row["reasons"][0] == f"not implemented yet: {', '.join(stubs)} (only raise NotImplementedError)"
+    for category, expected in STUBS.items():
+        for registered, stubs in expected:
+            row = rows[(registered, NAMES[category])]
+            assert row["status"] == "unavailable", row
+            assert row["reasons"][0] == f"not implemented yet: {stubs} (only raise NotImplementedError)"
 
     tests = run(
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", "--rootdir", str(tmp_path),
         *(str(f / "tests") for f in folders.values()), env=env, cwd=tmp_path,
     )  # fmt: skip
     assert tests.returncode == 1, tests.stdout[-3000:]
-    for category, stubs in STUBS.items():
-        assert f"{category} {NAMES[category]}: every method it defines is implemented: not implemented yet: {', '.join(stubs)}" in tests.stdout
-    failed = [line for line in tests.stdout.splitlines() if line.startswith("FAILED ") and "::TestConformance::test_registration" in line]
-    assert len(failed) == len(folders), tests.stdout[-3000:]
+    for category, expected in STUBS.items():
+        for registered, stubs in expected:
+            assert f"{registered} {NAMES[category]}: every method it defines is implemented: not implemented yet: {stubs}" in tests.stdout
+    failed = [line for line in tests.stdout.splitlines() if line.startswith("FAILED ") and "::test_registration" in line]
+    assert len(failed) == len(folders) + 1, tests.stdout[-3000:]  # the parser plugin's two test classes
 
     for category, folder in folders.items():
         check = run(str(BIN / "platform"), "--log-level", "WARNING", "plugins", "check", str(folder), "--json", env=env)
@@ -134,7 +137,7 @@ def test_a_new_plugin_installs_is_unavailable_and_its_tests_and_check_name_what_
         doc = json.loads(check.stdout)
         assert doc["result"] == "fail" and doc["plugin"]["distribution"] == f"plinth-plugin-{NAMES[category]}"
         failed = [c["check"] for s in doc["sections"] for c in s["checks"] if c["status"] == "fail"]
-        assert any(", ".join(STUBS[category]) in f for f in failed), failed
+        assert all(any(stubs in f for f in failed) for _, stubs in STUBS[category]), failed
         assert doc["counts"]["pass"] > 0  # the registration checks that hold are shown passing
 
 

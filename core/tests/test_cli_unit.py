@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plinth.api import PluginError, hookimpl  # noqa: E402
+from plinth.api import PLUGIN_API_VERSION, PluginError, hookimpl  # noqa: E402
 from plinth.cli import CATEGORY_OPTIONS, build_parser, main, resolve_choices  # noqa: E402
 from plinth.plugins import PluginRegistry  # noqa: E402
 from plugin_fakes import accel, plugin_module, registry_of  # noqa: E402
@@ -78,7 +78,7 @@ def test_platform_help(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plugins_json_in_this_environment(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plugins", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["plugin_api"] == "2.0"
+    assert doc["plugin_api"] == PLUGIN_API_VERSION
     names = {r["name"] for r in doc["plugins"] if r["category"] == "accelerator"}
     assert {"cpu", "cuda", "ascend", "tpu", "xpu"} <= names
     assert doc["auto"]["accelerator"] == "cpu" or doc["auto"]["accelerator"] in names

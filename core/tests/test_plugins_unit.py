@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plinth.api import (  # noqa: E402
+    PLUGIN_API_VERSION,
     Accelerator,
     AcceleratorDescriptor,
     AcceleratorInfo,
@@ -188,7 +189,7 @@ def test_incompatible_api_is_shown_and_cannot_be_chosen() -> None:
         ("old", "1", plugin_module("o", accel("present"))),
     )
     row = next(r for r in reg.report() if r["name"] == "future")
-    assert row["status"] == INCOMPATIBLE and row["reasons"] == ["supports plugin API >=3,<4, core provides 2.0"]
+    assert row["status"] == INCOMPATIBLE and row["reasons"] == [f"supports plugin API >=3,<4, core provides {PLUGIN_API_VERSION}"]
     assert reg.select("accelerator", "auto", CTX).name == "present"
     with pytest.raises(PluginError, match="supports plugin API >=3,<4"):
         reg.select("accelerator", "future", CTX)

@@ -140,7 +140,7 @@ README = '''\
 A plinth $category plugin, `$name` (made by `platform plugins new $category $name`;
 plinth plugin API $api).
 
-    pip install -e .                  # add [runtime] where the vendor libraries are
+    pip install -e ".[test]"          # add runtime where the vendor libraries are: ".[test,runtime]"
     platform plugins                  # lists $name, and why it is unavailable
     platform plugins check .          # the conformance kit on this machine: a report to publish
     pytest                            # the same kit as tests
@@ -496,6 +496,101 @@ class TestConformance(ProposerConformance):
 '''
 
 
+# ---------------------------------------------------------------------------
+# parser (a tool-call parser and a reasoning parser: a model family's formats)
+# ---------------------------------------------------------------------------
+
+PARSER_PLUGIN = '''\
+"""Entry point: registers the tool-call and reasoning parsers; imports nothing but plinth.api."""
+
+from plinth.api import ReasoningParserDescriptor, ToolParserDescriptor, hookimpl
+
+
+@hookimpl
+def plinth_register_tool_parsers() -> list[ToolParserDescriptor]:
+    return [
+        ToolParserDescriptor(
+            name="$name",
+            impl="$pkg.parsers:${Cls}ToolParser",
+            priority=0,
+            api="$api",
+            description="$name tool calls",
+            # strings whose presence in a chat template picks this parser under `auto`
+            template_markers=(),
+        )
+    ]
+
+
+@hookimpl
+def plinth_register_reasoning_parsers() -> list[ReasoningParserDescriptor]:
+    return [
+        ReasoningParserDescriptor(
+            name="$name",
+            impl="$pkg.parsers:${Cls}ReasoningParser",
+            priority=0,
+            api="$api",
+            description="$name reasoning",
+            template_markers=(),
+        )
+    ]
+'''
+
+PARSER_IMPL = '''\
+"""The $name parsers (`--tool-call-parser $name`, `--reasoning-parser $name`):
+structured tool calls and reasoning out of the model's raw text. Each is a
+pure function of the text so far; the server streams by diffing successive
+views. plinth.api has partial-JSON helpers (read_json_call, held_back, ...)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from plinth.api import ReasoningParse, ReasoningParser, ToolParse, ToolParser
+
+
+class ${Cls}ToolParser(ToolParser):
+    #: outputs in this format, each with a well-formed call: the conformance kit parses them
+    #: (put your model's real format here)
+    examples: ClassVar[tuple[str, ...]] = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+    )
+
+    def parse(self, text: str, *, final: bool) -> ToolParse:
+        """final=True: every call complete, named, with JSON-object arguments;
+        a malformed call stays in content as written; never raises.
+        final=False: content only what is certainly answer text (hold back a
+        possible start of a marker); a call appears once its name is complete
+        and its arguments only grow."""
+        raise NotImplementedError("${Cls}ToolParser.parse(): not implemented yet (read the calls out of text)")
+
+
+class ${Cls}ReasoningParser(ReasoningParser):
+    #: (prompt, output) pairs with reasoning in this format, for the conformance kit
+    examples: ClassVar[tuple[tuple[str, str], ...]] = (("", "<think>the user wants a greeting</think>Hello!"),)
+
+    def parse(self, text: str, *, final: bool) -> ReasoningParse:
+        """Split reasoning from the answer (self.prompt: the rendered prompt,
+        for templates that open the block there); streaming: hold back a
+        possible start of a tag, both parts only grow."""
+        raise NotImplementedError("${Cls}ReasoningParser.parse(): not implemented yet (split reasoning from answer)")
+'''
+
+PARSER_TEST = '''\
+"""$name against the conformance kit, on the parsers' own examples: whole
+and streamed one character at a time, plus noise that must never raise."""
+
+from plinth.testing import ReasoningParserConformance, ToolParserConformance
+
+
+class TestToolParser(ToolParserConformance):
+    name = "$name"
+
+
+class TestReasoningParser(ReasoningParserConformance):
+    name = "$name"
+'''
+
+
 KINDS: dict[str, Kind] = {
     "accelerator": Kind(
         "accelerator", "an accelerator plugin (a device platform, `--device`)", "accelerator", True,
@@ -518,5 +613,11 @@ KINDS: dict[str, Kind] = {
         "proposer", "a speculative-decoding proposer plugin (`--speculative-method`)", "proposer", False,
         ("`${Cls}Proposer.propose()` in src/$pkg/proposer.py",),
         {"src/$pkg/plugin.py": PROPOSER_PLUGIN, "src/$pkg/proposer.py": PROPOSER_IMPL, "tests/test_conformance.py": PROPOSER_TEST},
+    ),
+    "parser": Kind(
+        "parser", "tool-call and reasoning parsers (`--tool-call-parser`, `--reasoning-parser`)", "parsers", False,
+        ("`${Cls}ToolParser.parse()` in src/$pkg/parsers.py, and its `examples`",
+         "`${Cls}ReasoningParser.parse()`, and its `examples`"),
+        {"src/$pkg/plugin.py": PARSER_PLUGIN, "src/$pkg/parsers.py": PARSER_IMPL, "tests/test_conformance.py": PARSER_TEST},
     ),
 }

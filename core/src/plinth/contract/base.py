@@ -17,9 +17,10 @@ if TYPE_CHECKING:  # the contract itself stays cheap to import
     from plinth.contract.model import ModelConfig
     from plinth.contract.proposer import ProposerContext
 
-#: 2.0: attention and the KV layout left the op table for ``AttentionBackend``
-#: (docs/plugins.md, "Changelog of the plugin API")
-PLUGIN_API_VERSION = "2.0"
+#: 2.1: parsers state sample outputs (``examples``); 2.0: attention and the KV
+#: layout left the op table for ``AttentionBackend`` (docs/plugins.md,
+#: "Changelog of the plugin API")
+PLUGIN_API_VERSION = "2.1"
 #: the range a descriptor supports when it states none: this major version
 DEFAULT_API_RANGE = ">=2.0,<3"
 

@@ -67,6 +67,10 @@ class ToolParser(PluginImpl):
     by diffing successive views; a parser keeps no state between calls.
     """
 
+    #: outputs in this format, each with a well-formed call: what the
+    #: conformance kit (and ``platform plugins check``) parses by default
+    examples: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         self.tools = list(tools)
 
@@ -100,6 +104,10 @@ class ReasoningParser(PluginImpl):
     """Splits reasoning (``<think>...</think>``) from the answer; stateless
     like ``ToolParser``. ``prompt`` is the rendered prompt, for templates
     that open the reasoning block in the prompt itself."""
+
+    #: (prompt, output) pairs with reasoning in this format: what the
+    #: conformance kit (and ``platform plugins check``) parses by default
+    examples: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(self, prompt: str = "") -> None:
         self.prompt = prompt

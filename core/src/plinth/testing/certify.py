@@ -271,11 +271,7 @@ def certify(
         if stubs:  # a scaffold's methods: its category's checks would only repeat each one's NotImplementedError
             section.checks.append(Check(FAIL, f"not implemented yet: {', '.join(stubs)}; its {entry.category} checks run once they are"))
             continue
-        check = CHECKS.get(entry.category)
-        if check is None:
-            section.checks.append(Check(SKIP, f"{entry.category}: its checks need outputs in its format; run its conformance tests"))
-            continue
-        check(section, entry, registry, accelerator, dtypes, model, config)
+        CHECKS[entry.category](section, entry, registry, accelerator, dtypes, model, config)
     return Certificate(
         plinth={"core": __version__, "plugin_api": PLUGIN_API_VERSION},
         plugin=plugin,
@@ -452,6 +448,18 @@ def _check_proposer(section: Section, entry: PluginEntry, *args: Any) -> None:
     section.run(check_proposer, entry.name, options=dict(args[-1] or {}))
 
 
+def _check_tool_parser(section: Section, entry: PluginEntry, *_: Any) -> None:
+    from plinth.testing.parsers import check_tool_parser
+
+    section.run(check_tool_parser, entry.name, None)
+
+
+def _check_reasoning_parser(section: Section, entry: PluginEntry, *_: Any) -> None:
+    from plinth.testing.parsers import check_reasoning_parser
+
+    section.run(check_reasoning_parser, entry.name, None)
+
+
 #: category -> what runs for it
 CHECKS: dict[str, Callable[..., None]] = {
     "accelerator": _check_accelerator,
@@ -460,4 +468,6 @@ CHECKS: dict[str, Callable[..., None]] = {
     "a2a": _check_a2a,
     "kv_connector": _check_kv_connector,
     "proposer": _check_proposer,
+    "tool_parser": _check_tool_parser,
+    "reasoning_parser": _check_reasoning_parser,
 }

@@ -170,21 +170,23 @@ class ProposerConformance(PluginConformance):
 
 class ToolParserConformance(PluginConformance):
     """The registration checks plus the tool-parser promises on ``samples``
-    (outputs in the parser's format, each with a well-formed call)."""
+    (outputs in the parser's format, each with a well-formed call; default:
+    the parser class's ``examples``)."""
 
     category: ClassVar[str] = "tool_parser"
     samples: ClassVar[tuple[str, ...]] = ()
 
     def test_parses_whole_and_streamed(self) -> None:
-        check_tool_parser(self.name, self.samples)
+        check_tool_parser(self.name, self.samples or None)
 
 
 class ReasoningParserConformance(PluginConformance):
     """The registration checks plus the reasoning-parser promises on
-    ``samples``: (prompt, output) pairs with reasoning."""
+    ``samples``: (prompt, output) pairs with reasoning (default: the parser
+    class's ``examples``)."""
 
     category: ClassVar[str] = "reasoning_parser"
     samples: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def test_parses_whole_and_streamed(self) -> None:
-        check_reasoning_parser(self.name, self.samples)
+        check_reasoning_parser(self.name, self.samples or None)

@@ -17,9 +17,10 @@ from plinth.testing.registration import discover_all
 NOISE = ("", "plain answer text.", "{", "}", "[", "<", "</", "{\"name\": ", "<|", "```json\n{", "\x00\ufffd", "  \n\t")
 
 
-def check_tool_parser(name: str, samples: Sequence[str], *, tools: Sequence[Any] = ()) -> Report:
+def check_tool_parser(name: str, samples: Sequence[str] | None = None, *, tools: Sequence[Any] = ()) -> Report:
     """The tool parser registered as ``name``. ``samples``: outputs in its
-    format, each with at least one well-formed call. Checks, for each sample
+    format, each with at least one well-formed call (default: the class's
+    ``examples``). Checks, for each sample
     fed whole and one character at a time: ``parse`` never raises; final calls
     are complete, named, with JSON-object arguments; streaming views only
     grow (content, each call's arguments; a call's name never changes; calls
@@ -27,7 +28,8 @@ def check_tool_parser(name: str, samples: Sequence[str], *, tools: Sequence[Any]
     random cuts of the samples never raise."""
     report = Report(f"tool_parser {name}")
     cls = discover_all().get("tool_parser", name).load()
-    report.expect(bool(samples), "samples were given", "give outputs in the parser's format")
+    samples = tuple(cls.examples) if samples is None else samples
+    report.expect(bool(samples), "samples were given", "give outputs in the parser's format (or set the class's examples)")
     for i, text in enumerate(samples):
         label = f"sample {i + 1}"
         try:
@@ -93,15 +95,17 @@ def _is_json_object(text: str) -> bool:
         return False
 
 
-def check_reasoning_parser(name: str, samples: Sequence[tuple[str, str]]) -> Report:
+def check_reasoning_parser(name: str, samples: Sequence[tuple[str, str]] | None = None) -> Report:
     """The reasoning parser registered as ``name``. ``samples``: (prompt,
-    output) pairs in its format, each with reasoning. Checks: ``parse``
+    output) pairs in its format, each with reasoning (default: the class's
+    ``examples``). Checks: ``parse``
     never raises; the final parse finds reasoning; streamed views only grow
     in both parts and end where the final parse does (up to layout
     whitespace); noise never raises."""
     report = Report(f"reasoning_parser {name}")
     cls = discover_all().get("reasoning_parser", name).load()
-    report.expect(bool(samples), "samples were given", "give (prompt, output) pairs in the parser's format")
+    samples = tuple(cls.examples) if samples is None else samples
+    report.expect(bool(samples), "samples were given", "give (prompt, output) pairs in the parser's format (or set the class's examples)")
     for i, (prompt, text) in enumerate(samples):
         label = f"sample {i + 1}"
         parser = cls(prompt)
