@@ -135,9 +135,12 @@ def _round_trips(rank: int, world: int, name: str, seed: int, num_experts: int, 
     return out
 
 
-def check_a2a(name: str, *, worlds: tuple[int, ...] = (2, 4), backend: str | None = None, timeout: float = 180.0, uneven: bool = True) -> Report:
+def check_a2a(
+    name: str, *, worlds: tuple[int, ...] = (2, 4), backend: str | None = None, timeout: float = 180.0, uneven: bool = True,
+    accelerator: str = "auto",
+) -> Report:  # fmt: skip
     """``name``'s dispatch/combine round trips on ``worlds`` real processes
-    (the group backend: the best available accelerator's, gloo on CPU),
+    (the group backend: ``accelerator``'s, by default the best available's, gloo on CPU),
     with expert counts the group divides and, when ``uneven``, one it does
     not (every a2a plugin should take those; DeepEP's kernels cannot)."""
     from plinth.api import SelectionContext
@@ -147,7 +150,7 @@ def check_a2a(name: str, *, worlds: tuple[int, ...] = (2, 4), backend: str | Non
     report = Report(f"a2a {name}")
     registry = discover_all()
     entry = registry.get("a2a", name)
-    info = registry.select("accelerator", "auto", SelectionContext()).load()().info()
+    info = registry.select("accelerator", accelerator, SelectionContext()).load()().info()
     reasons = entry.evaluate(SelectionContext(ep=max(worlds), layout=planned(max(worlds), 40, 3 * max(worlds), info.device_type, info.capability)))
     if reasons:
         report.skip(f"unavailable here: {'; '.join(reasons)}")

@@ -430,10 +430,13 @@ def _tiny_checkpoint(entry: PluginEntry) -> tuple[str | None, str]:
     return None, f"transformers builds none of its architectures; {hint}" if "could not" not in hint else hint
 
 
-def _check_a2a(section: Section, entry: PluginEntry, *_: Any) -> None:
+def _check_a2a(section: Section, entry: PluginEntry, registry: PluginRegistry, device: Device, *_: Any) -> None:
     from plinth.testing.a2a import check_a2a
 
-    section.run(check_a2a, entry.name, worlds=(2,))
+    if device.instance is None:
+        section.checks.append(Check(SKIP, f"round trips: no accelerator to run the ranks on ({device.why_none})"))
+        return
+    section.run(check_a2a, entry.name, worlds=(2,), accelerator=device.name)
 
 
 def _check_kv_connector(section: Section, entry: PluginEntry, *args: Any) -> None:
