@@ -253,6 +253,10 @@ class ThinkReasoningParser(ReasoningParser):
     START, END = "<think>", "</think>"
     #: the model always reasons first, whether or not it writes <think> (DeepSeek-R1)
     always_open = False
+    examples = (
+        ("", "<think>\nThe user wants a colour.\n</think>\n\nBlue."),
+        ("<|im_start|>assistant\n<think>\n", "Hmm, a colour.\n</think>\n\nBlue."),  # a template that opens it
+    )
 
     def parse(self, text: str, *, final: bool) -> "ReasoningParse":
         from plinth.contract.parsers import ReasoningParse

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from plinth.testing import check_reasoning_parser, check_tool_parser
+from plinth.testing import check_reasoning_parser, check_tool_parser, discover_all
 from plinth_plugin_deepseek.parsers import DeepSeekR1ReasoningParser, DeepSeekV3ToolParser, KimiK2ToolParser
 
 W = {"city": "Paris", "unit": "celsius"}
@@ -86,3 +86,12 @@ def test_tool_parser_conformance(name, cls):
 
 def test_reasoning_parser_conformance():
     check_reasoning_parser("deepseek_r1", tuple((prompt, text) for c, prompt, text, r, _ in REASONING if c is DeepSeekR1ReasoningParser and r))
+
+
+@pytest.mark.parametrize("category", ["tool_parser", "reasoning_parser"])
+def test_every_parser_it_registers_passes_the_kit_on_its_own_examples(category):
+    """What `platform plugins check plinth-plugin-deepseek` runs: no samples given, the classes' ``examples``."""
+    names = sorted(e.name for e in discover_all().entries[category] if e.distribution == "plinth-plugin-deepseek")
+    assert names
+    for name in names:
+        (check_tool_parser if category == "tool_parser" else check_reasoning_parser)(name)

@@ -6,7 +6,7 @@ family's documented outputs."""
 from __future__ import annotations
 
 import pytest
-from plinth.testing import ModelLoaderConformance, check_reasoning_parser, check_tool_parser
+from plinth.testing import ModelLoaderConformance, check_reasoning_parser, check_tool_parser, discover_all
 from test_llama_vs_transformers import saved_model
 from test_parsers import GOOD, REASONING
 
@@ -42,3 +42,14 @@ def test_tool_parser_conformance(name):
 def test_reasoning_parser_conformance(name):
     samples = tuple((prompt, text) for cls, prompt, text, reasoning, _ in REASONING if cls.__name__ == REASONING_PARSERS[name] and reasoning)
     check_reasoning_parser(name, samples)
+
+
+@pytest.mark.parametrize("category", ["tool_parser", "reasoning_parser"])
+def test_every_parser_it_registers_passes_the_kit_on_its_own_examples(category):
+    """What `platform plugins check plinth-plugin-llama` runs: no samples given, the classes' ``examples``."""
+    names = sorted(e.name for e in discover_all().entries[category] if e.distribution == "plinth-plugin-llama")
+    assert names
+    for name in names:
+        check = check_tool_parser if category == "tool_parser" else check_reasoning_parser
+        report = check(name)
+        assert any(line.startswith("sample 2") for line in report.passed), name  # at least two examples each

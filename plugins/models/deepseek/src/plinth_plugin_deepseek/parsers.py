@@ -32,6 +32,11 @@ class DeepSeekV3ToolParser(ToolParser):
     CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
     needs_special_tokens = True
+    examples = (
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
+        '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{"tz": "Europe/Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        'Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    )
 
     def parse(self, text: str, *, final: bool) -> ToolParse:
         i = text.find(self.CALLS_BEGIN)
@@ -102,6 +107,11 @@ class KimiK2ToolParser(ToolParser):
     CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
     _ID = re.compile(r"\s*(?:functions\.)?([A-Za-z0-9_.\-]+?)(?::(\d+))?\s*$")
     needs_special_tokens = True
+    examples = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>'
+        '{"tz": "Europe/Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+    )
 
     def parse(self, text: str, *, final: bool) -> ToolParse:
         i = text.find(self.SECTION_BEGIN)
@@ -150,3 +160,4 @@ class KimiK2ToolParser(ToolParser):
 
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):
     always_open = True
+    examples = (("<｜Assistant｜>", "Hmm.\n</think>\n\nBlue."), ("<｜Assistant｜>", "<think>\nHmm.\n</think>\n\nBlue."))

@@ -34,6 +34,11 @@ from plinth.api import ThinkReasoningParser as _ThinkReasoningParser
 
 class HermesToolParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
+    examples = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+        'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>',
+    )
 
     def parse(self, text: str, *, final: bool) -> ToolParse:
         parts: list[str] = []
@@ -81,6 +86,10 @@ class Llama3JsonToolParser(ToolParser):
     """The answer is the call (or calls joined by ';'): anything else is text."""
 
     TAG = "<|python_tag|>"
+    examples = (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"tz": "Europe/Paris"}}',
+    )
 
     def parse(self, text: str, *, final: bool) -> ToolParse:
         s = skip_ws(text, 0)
@@ -118,6 +127,10 @@ class Llama3JsonToolParser(ToolParser):
 
 class MistralToolParser(ToolParser):
     TAG = "[TOOL_CALLS]"
+    examples = (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"tz": "Europe/Paris"}',
+    )
     ARGS = "[ARGS]"
     CALL_ID = "[CALL_ID]"
     _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
