@@ -42,6 +42,13 @@ def test_builds_are_keyed_by_the_isa():
     assert build_name(("fma", "avx2")) == build_name(("avx2", "fma"))
 
 
+def test_builds_are_keyed_by_the_bound_functions():
+    """Two checkouts that bind other functions of one source (one adds a
+    kernel) must not share, and so rebuild, one directory."""
+    assert build_name(("avx2", "fma"), functions=kernels.FUNCTIONS) == build_name(("avx2", "fma"))
+    assert build_name(("avx2", "fma"), functions=[*kernels.FUNCTIONS, "another_kernel"]) != build_name(("avx2", "fma"))
+
+
 def test_builds_are_keyed_by_the_shared_header(tmp_path, monkeypatch):
     """Every source is built after csrc/common.h's text: a change there must rebuild them all."""
     header = tmp_path / "common.h"

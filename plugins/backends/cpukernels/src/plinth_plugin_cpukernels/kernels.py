@@ -81,11 +81,17 @@ def bindings(functions: list[str]) -> str:
     return "\n".join(["PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {", *lines, "}"])
 
 
-def build_name(isa: Iterable[str], source: Path = SOURCE, prefix: str = "plinth_cpukernels") -> str:
+def build_name(isa: Iterable[str], source: Path = SOURCE, prefix: str = "plinth_cpukernels", functions: list[str] | None = None) -> str:
+    """The build's name: a hash of everything compiled into it (the shared
+    header, the source, the bindings of ``functions``, default ``FUNCTIONS``),
+    the flags, the machine and torch. The bindings too: two checkouts that
+    bind other functions of one source would otherwise rebuild each other's
+    directory on every load."""
     import torch
 
     flags = BASE_CFLAGS + isa_cflags(isa)
-    key = "|".join([SHARED.read_text(), source.read_text(), BINDING, " ".join(flags), platform.machine(), torch.__version__])
+    binds = bindings(FUNCTIONS if functions is None else functions)
+    key = "|".join([SHARED.read_text(), source.read_text(), binds, " ".join(flags), platform.machine(), torch.__version__])
     return f"{prefix}_{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 
@@ -165,7 +171,7 @@ def load_extension(source: Path, functions: list[str], isa: Iterable[str], *, pr
     """One C++ source built as its own extension for these extensions, keyed
     by the source, the flags and torch (built once per key)."""
     isa = tuple(sorted(set(isa)))
-    name = build_name(isa, source, prefix)
+    name = build_name(isa, source, prefix, functions)
     if name not in _kernels:
         from torch.utils.cpp_extension import load_inline
 

@@ -464,11 +464,13 @@ def _machine_identity() -> str:
 def cache_path(claimed: tuple[str, ...]) -> Path:
     """Where the answer for ``claimed`` on this machine is kept: keyed by the
     builds' names (sources, flags, torch), the machine and the fault setting."""
-    from plinth_plugin_cpukernels.gemm import LINEAR_SOURCE
-    from plinth_plugin_cpukernels.kernels import SOURCE, build_directory, build_name
+    from plinth_plugin_cpukernels.gemm import LINEAR_FUNCTIONS, LINEAR_SOURCE
+    from plinth_plugin_cpukernels.kernels import FUNCTIONS, SOURCE, build_directory, build_name
+    from plinth_plugin_cpukernels.quant import FUNCTIONS as QUANT_FUNCTIONS
     from plinth_plugin_cpukernels.quant import SOURCE as QUANT_SOURCE
 
-    builds = [build_name(claimed, source) for source in (SOURCE, LINEAR_SOURCE, QUANT_SOURCE)]
+    sources = ((SOURCE, FUNCTIONS), (LINEAR_SOURCE, LINEAR_FUNCTIONS), (QUANT_SOURCE, QUANT_FUNCTIONS))
+    builds = [build_name(claimed, source, functions=functions) for source, functions in sources]
     key = json.dumps([sorted(claimed), builds, _machine_identity(), os.environ.get(FAULT_ENV, ""), Path(__file__).read_text()])
     return build_directory("probes") / f"{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()}.json"
 
