@@ -50,8 +50,8 @@ def decode_setup(llm: Any, batch: int, context: int, seed: int) -> tuple[Any, An
         engine.step()
     sched = engine.scheduler.schedule()
     assert len(sched.seqs) == batch and all(n == 1 for n in sched.num_tokens), (len(sched.seqs), sched.num_tokens)
-    input_ids, meta = engine.runner.build_metadata(sched)
-    return engine.runner, input_ids, meta
+    input_ids, meta = engine.executor.runner.build_metadata(sched)
+    return engine.executor.runner, input_ids, meta
 
 
 def time_steps(fn: Any, steps: int, warmup: int = 3) -> float:

@@ -77,7 +77,7 @@ def prompt_logits(llm, ids: list[int]):
     from driver import PagedDriver
 
     c = llm.engine.components
-    driver = PagedDriver(llm.engine.runner.model, c.model_config, page_size=16, max_tokens=len(ids) + 16, dtype=c.dtype)
+    driver = PagedDriver(llm.engine.executor.runner.model, c.model_config, page_size=16, max_tokens=len(ids) + 16, dtype=c.dtype)
     return driver.prefill_logits([ids])[0].float()
 
 
@@ -86,7 +86,7 @@ def perplexity(llm, ids: list[int], chunk: int) -> float:
     from driver import PagedDriver, Seq
 
     c = llm.engine.components
-    driver = PagedDriver(llm.engine.runner.model, c.model_config, page_size=16, max_tokens=len(ids) + 16, dtype=c.dtype)
+    driver = PagedDriver(llm.engine.executor.runner.model, c.model_config, page_size=16, max_tokens=len(ids) + 16, dtype=c.dtype)
     seq = Seq(list(ids), len(ids))
     nll, count = 0.0, 0
     while seq.computed < len(ids) - 1:
@@ -237,7 +237,7 @@ def decode_speed(dtype: str, dequantize: bool, decode_tokens: int, repeats: int)
         llm.generate([prompt], many)
         t2 = time.perf_counter() - t
         per_token.append((t2 - t1) / decode_tokens * 1e3)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     linear = type(model.layers[0].qkv).__name__
     return {
         "ms_per_token_median": statistics.median(per_token),

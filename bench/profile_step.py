@@ -51,7 +51,7 @@ def instrument(engine: Any, clock: Any) -> dict[str, list[float]]:
 
         return timed
 
-    runner = engine.runner
+    runner = engine.executor.runner
     model = runner.model
     ops = model.ops
     for name, fn in list(vars(ops).items()):

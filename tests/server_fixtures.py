@@ -91,7 +91,7 @@ def fake_engine(
     page_size: int = 16,
     max_model_len: int = 1024,
     max_num_seqs: int = 64,
-    max_waiting_requests: int = 4096,
+    max_waiting_requests: int | None = None,
     delay: float = 0.002,
     enable_caching: bool = True,
 ) -> Any:
@@ -100,6 +100,7 @@ def fake_engine(
     from plinth.engine.async_engine import AsyncLLM
     from plinth.engine.block_manager import BlockPool
     from plinth.engine.engine import LLMEngine
+    from plinth.engine.executor import LocalExecutor
     from plinth.engine.kv_cache_manager import KVCacheManager
     from plinth.engine.scheduler import Scheduler
 
@@ -119,7 +120,7 @@ def fake_engine(
     kv = KVCacheManager(BlockPool(num_pages, page_size, enable_caching=enable_caching), hash_seed=1, copy_pages=runner.copy_pages)
     scheduler = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     engine = LLMEngine(
-        runner=runner,
+        executor=LocalExecutor(runner),
         tokenizer=ByteTokenizer(),
         model_config=cfg,
         scheduler=scheduler,
@@ -219,7 +220,7 @@ def smollm2_engine(**overrides: Any) -> Any:
 
     kwargs: dict[str, Any] = dict(max_model_len=2048, kv_cache_memory=1.0, max_num_seqs=64, load_progress=False)
     kwargs.update(overrides)
-    return AsyncLLM.from_config(EngineConfig(**kwargs))
+    return AsyncLLM.from_config(EngineConfig.from_kwargs(**kwargs))
 
 
 def wait_until_healthy(proc: Any, url: str, timeout: float = 120) -> None:

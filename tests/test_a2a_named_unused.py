@@ -42,7 +42,7 @@ def test_auto_at_ep1_says_nothing(tiny_root, caplog):
     from plinth.engine.startup import check_a2a
     from plinth.plugins import PluginRegistry
 
-    config = EngineConfig(model=tiny_model_dir("llama", tiny_root))
+    config = EngineConfig.from_kwargs(model=tiny_model_dir("llama", tiny_root))
     with caplog.at_level(logging.INFO, logger="plinth.startup"):
         assert check_a2a(config, PluginRegistry.discover()) is config
     assert "a2a" not in _warnings(caplog)
@@ -56,9 +56,9 @@ def test_a_named_a2a_on_a_dense_model_is_reported_and_not_refused(tiny_root, cap
     from plinth.engine.startup import check_a2a
     from plinth.plugins import PluginRegistry
 
-    config = EngineConfig(model=tiny_model_dir("llama", tiny_root), ep=2, dp=2, a2a="deepep", device="cpu")
+    config = EngineConfig.from_kwargs(model=tiny_model_dir("llama", tiny_root), ep=2, dp=2, a2a="deepep", device="cpu")
     with caplog.at_level(logging.INFO, logger="plinth.startup"):
-        assert check_a2a(config, PluginRegistry.discover()).a2a == "deepep"
+        assert check_a2a(config, PluginRegistry.discover()).parallel.a2a == "deepep"
     text = _warnings(caplog)
     assert "is not used: the model has no routed experts (a dense model)" in text and "deep_ep is not installed" in text, text
 

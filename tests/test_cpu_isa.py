@@ -80,10 +80,10 @@ def test_closed_pipe_is_quiet():
 
 def test_seed_is_an_engine_option():
     from plinth.cli import PluginRegistry as Registry
-    from plinth.cli import build_parser, plugin_kwargs
+    from plinth.cli import build_parser, engine_kwargs
 
     args = build_parser(Registry.discover()).parse_args(["serve", "--seed", "7"])
-    kwargs = plugin_kwargs(args)
+    kwargs = engine_kwargs(args)
     assert kwargs["seed"] == 7 and "seed" not in kwargs["plugin_options"]
 
 

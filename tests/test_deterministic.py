@@ -40,7 +40,7 @@ class LogitsRecorder:
     def __init__(self, llm: LLM, targets: list[list[int]]) -> None:
         self.targets = {tuple(t) for t in targets}
         self.rows: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
-        runner: Any = llm.engine.runner  # type: ignore[attr-defined]
+        runner: Any = llm.engine.executor.runner  # type: ignore[attr-defined]
         execute = runner.execute
 
         def recording(batch: Any, rows: Any) -> torch.Tensor:

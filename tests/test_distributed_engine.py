@@ -51,6 +51,11 @@ def requests():
     return ps + [ps[2]], params + [SamplingParams(max_tokens=NEW, temperature=1.0, seed=7, n=2)]
 
 
+def world_of(llm: LLM):
+    """Rank 0's world (``multiproc.RankWorld``): the dp front end's, or its one engine's executor's."""
+    return getattr(llm.engine, "world", None) or llm.engine.executor.world  # type: ignore[attr-defined]
+
+
 @functools.cache
 def single(path: str):
     ps, params = requests()
@@ -69,7 +74,7 @@ def run_parallel(path: str, **kw):
         return out, time.monotonic() - t0
     finally:
         llm.close()
-        procs = llm.engine.procs
+        procs = world_of(llm).procs
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # stopped, not killed
         left = [t.name for t in threading.enumerate() if t.name.startswith("plinth-") and t not in before]
         assert not left, f"threads left after close(): {left}"  # watchdog, dp steps
@@ -91,6 +96,71 @@ def test_dense_llama_tp2_matches_one_process(root):
     assert got == want
 
 
+@pytest.mark.parametrize("kw", [dict(tp=2), dict(dp=2)], ids=["tp2", "dp2"])
+def test_dropping_the_llm_releases_its_ranks_and_a_second_one_starts(root, kw):
+    """``del llm`` without close(): the last reference dropping stops the
+    worker ranks, the watchdog and the process groups as close() does, and
+    a second multi-rank LLM in this process starts and gives the same tokens
+    (before: the watchdog thread and an atexit hook kept the engine, its
+    ranks ran on, and the second failed with "trying to initialize the
+    default process group twice")."""
+    import gc
+
+    import torch.distributed as dist
+
+    path = tiny_model_dir("llama", root)
+    want, _ = single(path)
+    ps, params = requests()
+    before = set(threading.enumerate())
+    llm = LLM(path, **KW, **kw)
+    procs = list(world_of(llm).procs)
+    first = [[c.token_ids for c in o.outputs] for o in llm.generate(ps, params)]
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while any(p.exitcode is None for p in procs):
+        assert time.monotonic() < deadline, "the worker ranks still run after the LLM was dropped"
+        time.sleep(0.1)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # stopped, not killed
+    assert not dist.is_initialized()
+    while left := [t.name for t in threading.enumerate() if t.name.startswith("plinth-") and t not in before]:
+        # an idle pool's threads leave once they see it gone (woken by its collection, not joined)
+        assert time.monotonic() < deadline, f"threads left after the LLM was dropped: {left}"
+        time.sleep(0.1)
+    with LLM(path, **KW, **kw) as second:
+        again = [[c.token_ids for c in o.outputs] for o in second.generate(ps, params)]
+    assert first == again == want
+
+
+def test_a_rank_loading_past_the_collective_timeout_is_waited_for(root, monkeypatch):
+    """Rank 0 (this process) has its weights 5 s after rank 1, with a 1.5 s
+    collective timeout: rank 1 waits for it through the rendezvous store
+    (start-up's long timeout) before the profiling forward's first
+    all-reduce, and the engine starts (before: rank 1's all-reduce timed out,
+    the rank died and start-up failed)."""
+    from plinth.api import SelectionContext
+    from plinth.engine.model_source import locate_model
+    from plinth.engine.startup import choose_model_loader
+    from plinth.plugins import PluginRegistry
+
+    path = tiny_model_dir("llama", root)
+    want, _ = single(path)
+    registry = PluginRegistry.discover()
+    loader = choose_model_loader(registry, locate_model(path, registry), SelectionContext()).load()
+    load_model = loader.load_model
+
+    def late(self, *args, **kwargs):
+        time.sleep(5.0)
+        return load_model(self, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_model", late)
+    kw = {**KW, "num_pages": None}  # sized from memory: the profiling forward runs, every rank together
+    ps, params = requests()
+    with LLM(path, tp=2, dist_timeout=1.5, registry=registry, **kw) as llm:
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(ps, params)]
+    assert got == want
+
+
 def test_bad_layouts_fail_before_loading(root):
     from plinth.errors import ConfigError
 
@@ -109,8 +179,8 @@ def test_a_dp_groups_sample_job_crosses_as_ids_parameters_and_masks():
     logit bias, min_tokens bans, a grammar as its mask, logprobs and prompt
     logprobs. No process: the wire format alone."""
     import torch
-    from plinth.engine.distributed import decode_job, encode_job
     from plinth.engine.sampler import SampleJob, Sampler, SampleRow, make_generator
+    from plinth.engine.wire import decode_job, encode_job
 
     class EvenTokens:  # a grammar allowing only even token ids
         def mask_logits(self, logits):
@@ -277,10 +347,10 @@ class socket_port:
 def test_a_stopped_worker_fails_the_engine_within_the_timeout(root):
     """SIGSTOP: the rank is alive but silent; the collective timeout (3 s
     here) turns it into DeadRankError, and shutdown leaves nothing behind."""
-    from plinth.engine.distributed import DeadRankError
+    from plinth.engine.interfaces import DeadRankError
 
     llm = LLM(moe(root), tp=2, dist_timeout=3.0, **KW)
-    (proc,) = llm.engine.procs
+    (proc,) = world_of(llm).procs
     timer = threading.Timer(1.0, os.kill, (proc.pid, signal.SIGSTOP))
     t0 = time.monotonic()
     try:

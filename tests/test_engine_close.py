@@ -69,7 +69,7 @@ def test_async_llm_close_stops_its_thread(tiny_root):
             last = out
         return last.outputs[0].token_ids
 
-    with AsyncLLM.from_config(EngineConfig(model=model, **KW)) as engine:
+    with AsyncLLM.from_config(EngineConfig.from_kwargs(model=model, **KW)) as engine:
         assert "plinth-engine" in new_threads(before)
         assert len(asyncio.run(one(engine))) == 4
         assert engine.health() == (True, "ok")

@@ -58,6 +58,7 @@ def make_engine(num_pages, page_size, events_cfg):
     from plinth.api import ModelConfig
     from plinth.engine.block_manager import BlockPool
     from plinth.engine.engine import LLMEngine
+    from plinth.engine.executor import LocalExecutor
     from plinth.engine.kv_cache_manager import KVCacheManager
     from plinth.engine.scheduler import Scheduler
     from server_fixtures import BOS, EOS, FAKE_LOGITS
@@ -70,7 +71,7 @@ def make_engine(num_pages, page_size, events_cfg):
     kv = KVCacheManager(BlockPool(num_pages, page_size), hash_seed=12345, copy_pages=runner.copy_pages)
     kv.pool.events = build_recorder(events_cfg, block_size=page_size)
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=256)
-    return LLMEngine(runner=runner, tokenizer=ByteTokenizer(), model_config=cfg, scheduler=sched, max_model_len=256)
+    return LLMEngine(executor=LocalExecutor(runner), tokenizer=ByteTokenizer(), model_config=cfg, scheduler=sched, max_model_len=256)
 
 
 def run(engine, rid, prompt, max_tokens=1):
@@ -198,9 +199,9 @@ def test_bad_kv_events_config_is_a_config_error():
     from plinth.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown field"):
-        EngineConfig(kv_events_config={"enable_kv_cache_events": True, "endpoit": "tcp://*:1"})
+        EngineConfig.from_kwargs(kv_events_config={"enable_kv_cache_events": True, "endpoit": "tcp://*:1"})
     with pytest.raises(ConfigError, match="publisher"):
-        EngineConfig(kv_events_config={"enable_kv_cache_events": True, "publisher": "kafka"})
+        EngineConfig.from_kwargs(kv_events_config={"enable_kv_cache_events": True, "publisher": "kafka"})
 
 
 def test_local_connector_tiers_report_their_medium(tmp_path):

@@ -23,7 +23,7 @@ def test_latent_pool_holds_the_tokens_its_bytes_say(page_size):
     layers, dtype = 3, torch.float32
     model = SimpleNamespace(kv_cache_specs=lambda: [spec] * layers)
     budget_gib = 1 / 1024  # 1 MiB
-    config = EngineConfig(page_size=page_size, kv_cache_memory=budget_gib, max_num_seqs=256)
+    config = EngineConfig.from_kwargs(page_size=page_size, kv_cache_memory=budget_gib, max_num_seqs=256)
     plan = kv_pool_pages(config, None, model, dtype, max_model_len=4096)
     token_bytes = layers * (32 + 8) * 4  # one latent and one rope key per token and layer, no heads
     assert plan.page_bytes == [page_size * token_bytes]

@@ -189,7 +189,7 @@ def test_padded_vocabulary_end_to_end(tiny_root, caplog):
         "additionalProperties": False,
     }
     path = tiny_model_dir("llama", tiny_root)
-    engine = AsyncLLM.from_config(EngineConfig(model=path, dtype="float32", num_pages=256, load_progress=False))
+    engine = AsyncLLM.from_config(EngineConfig.from_kwargs(model=path, dtype="float32", num_pages=256, load_progress=False))
     try:
         assert engine.model_config.vocab_size == VOCAB > engine.tokenizer.vocab_size
         with serve(engine, names=["tiny"]) as s:

@@ -87,7 +87,7 @@ class ScriptRunner(BigramRunner):
 @pytest.fixture(scope="module")
 def srv():
     engine = fake_engine()
-    engine.engine.runner = ScriptRunner(delay=0.0)
+    engine.engine.executor.runner = ScriptRunner(delay=0.0)
     with serve(engine, names=[MODEL], tool_call_parser="hermes", reasoning_parser="qwen3") as s:
         yield s
     engine.close()

@@ -50,13 +50,13 @@ class FakeStepClock:
 
     def __init__(self, llm, fixed: float, per_token: float) -> None:
         self.now = 0.0
-        real = llm.engine.runner.execute
+        real = llm.engine.executor.runner.execute
 
         def execute(batch, rows):
             self.now += fixed + per_token * batch.total_tokens
             return real(batch, rows)
 
-        llm.engine.runner.execute = execute
+        llm.engine.executor.runner.execute = execute
 
     def __call__(self) -> float:
         return self.now
@@ -423,7 +423,7 @@ def test_hidden_states_reach_a_proposer_that_asks(target):
     the target's hidden state behind each sequence's newest token: the row
     whose logits chose that token."""
     llm = make_llm(target)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     seen = []
 
     class Heads:
@@ -439,7 +439,7 @@ def test_hidden_states_reach_a_proposer_that_asks(target):
             pass
 
     llm.engine.spec = SpecDecoder(Heads(), 2, vocab_size=llm.engine.model_config.vocab_size)
-    llm.engine.runner.keep_hidden = True  # what start-up sets for such a proposer
+    llm.engine.executor.runner.keep_hidden = True  # what start-up sets for such a proposer
     out = llm.generate(PROMPTS[:3], GREEDY)
     assert tokens(out) == tokens(plain(target, 16, PROMPTS[:3]))
     assert len(seen) > 20
@@ -483,13 +483,13 @@ def test_metrics_and_bench_serve_read_the_counters(target):
 def _forwards(llm):
     """Record what each step hands the model runner: (tokens per sequence, logits rows)."""
     calls = []
-    real = llm.engine.runner.execute
+    real = llm.engine.executor.runner.execute
 
     def execute(batch, rows):
         calls.append((list(batch.num_tokens), list(rows)))
         return real(batch, rows)
 
-    llm.engine.runner.execute = execute
+    llm.engine.executor.runner.execute = execute
     return calls
 
 

@@ -28,6 +28,11 @@ def test_auto_budget_is_measured_and_within_bounds(tiny_root, caplog):
     assert plan.max_num_batched_tokens - 8 in sizes
     assert plan.measure_s < 3 * sp.MEASURE_TIME_BUDGET_S
     assert llm.engine.scheduler.max_num_batched_tokens == plan.max_num_batched_tokens
+    # what start-up settled, frozen: the measured budget, the backend's mode, the pool
+    r = llm.resolved
+    assert (r.max_num_batched_tokens, r.backend, r.page_size, r.num_pages) == (plan.max_num_batched_tokens, "torch", 16, (300,))
+    assert isinstance(r.deterministic, bool) and llm.engine.describe()["deterministic"] is r.deterministic
+    assert llm.config.scheduler.max_num_batched_tokens == "auto"  # the setting as given stays as given
     assert llm.engine.components.describe()["step_plan"]["max_num_batched_tokens"] == plan.max_num_batched_tokens
     assert any("step budget" in r.getMessage() and "prefill step times" in r.getMessage() for r in caplog.records)
     # the probes gave every page back and left nothing in the prefix cache

@@ -124,7 +124,7 @@ def step_fp8(tmp: str) -> dict:
 
     fp8_dir, twin_dir = save_fp8_and_twin(tmp, "block")
     llm = LLM(fp8_dir, device=DEVICE, backend="triton", dtype="bfloat16", load_progress=False)
-    tensors = _tensors(llm.engine.runner.model)
+    tensors = _tensors(llm.engine.executor.runner.model)
     fp8 = [t for t in tensors if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
     off = sorted({str(t.device) for t in tensors if t.device.type != DEVICE})
     llm.close()
@@ -188,13 +188,13 @@ def step_budget(tmp: str) -> dict:
     used = total - free
     llm.generate([PARIS[0]] * 8, SamplingParams(max_tokens=8, temperature=0))  # the pool it sized serves
     free_after, _ = torch.cuda.mem_get_info()
-    weights = llm.engine.runner.model.weight_bytes()
+    weights = llm.engine.executor.runner.model.weight_bytes()
     llm.close()
     context = 2 << 30  # the CUDA context and NCCL/cuBLAS workspaces, outside any budget
     return {"total_gib": total / 2**30, "utilization": util, "used_after_start_gib": used / 2**30,
             "used_after_serving_gib": (total - free_after) / 2**30, "weights_gib": weights / 2**30,
-            "num_pages": comp.num_pages, "page_size": comp.config.page_size,
-            "ok": comp.num_pages > 0 and used <= util * total + context and (total - free_after) <= util * total + context
+            "num_pages": max(comp.resolved.num_pages), "page_size": comp.resolved.page_size,
+            "ok": max(comp.resolved.num_pages) > 0 and used <= util * total + context and (total - free_after) <= util * total + context
                   and used >= util * total - 2 * context}  # fmt: skip
 
 
@@ -216,7 +216,7 @@ def step_decode(tmp: str) -> dict:
     bw = 2 * (1 << 30) * 10 / (time.perf_counter() - t0)  # bytes read + written per second
     del x, y
     llm = LLM(path, device="cuda", backend="triton", dtype="bfloat16", load_progress=False, dequantize=True, max_num_seqs=64)
-    weights = llm.engine.runner.model.weight_bytes()
+    weights = llm.engine.executor.runner.model.weight_bytes()
     cfg = llm.engine.model_config
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     rows = {}

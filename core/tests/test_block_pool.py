@@ -19,7 +19,7 @@ def test_hash_chain_depends_on_all_previous_pages():
     b = hash_pages([9, 2, 3, 4, 5, 6], 2)
     assert len(a) == 3 and a[0] != b[0] and a[2] != b[2]  # same tokens, different prefix
     assert hash_pages([1, 2, 3, 4, 5], 2) == a[:2]  # only full pages
-    assert hash_pages([1, 2, 3, 4, 5, 6], 2, seed=1) != a  # a different model never matches
+    assert hash_pages([1, 2, 3, 4, 5, 6], 2, hash_seed=1) != a  # a different model never matches
     assert hash_pages([1, 2, 3, 4, 5, 6], 2, start=a[:1]) == a
 
 

@@ -14,12 +14,22 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plinth.api import BASE_OPS, Backend, BackendCapabilities, BackendDescriptor, SelectionContext, hookimpl  # noqa: E402
-from plinth.cli import _details, build_parser, cmd_plugins, plugin_kwargs  # noqa: E402
-from plinth.engine.config import DEFAULT_DETERMINISTIC, EngineConfig  # noqa: E402
+from plinth.api import (  # noqa: E402
+    BASE_OPS,
+    Backend,
+    BackendCapabilities,
+    BackendDescriptor,
+    PluginError,
+    SelectionContext,
+    hookimpl,
+)
+from plinth.cli import _details, build_parser, cmd_plugins, engine_kwargs  # noqa: E402
+from plinth.engine.config import EngineConfig, setting_defaults  # noqa: E402
+
+DEFAULT_DETERMINISTIC = setting_defaults()["deterministic"]
 from plinth.engine.sampler import Sampler, SampleRow, filtered_probs, make_generator, process_logits  # noqa: E402
 from plinth.engine.sampling_params import SamplingParams  # noqa: E402
-from plinth.engine.startup import resolve_deterministic, resolve_ops  # noqa: E402
+from plinth.engine.startup import choose_backend, resolve_deterministic, resolve_ops  # noqa: E402
 from plugin_fakes import accel, impl_module, plugin_module, registry_of  # noqa: E402
 
 # ---- the flag ------------------------------------------------------------------------------
@@ -31,12 +41,10 @@ def test_flag_reaches_the_engine_config_and_either_default_can_be_overridden(com
     extra = ["--prompt", "x"] if command == "generate" else []
     for flag, want in (([], DEFAULT_DETERMINISTIC), (["--deterministic"], True), (["--no-deterministic"], False)):
         args = parser.parse_args([command, *extra, *flag])
-        kwargs = plugin_kwargs(args)
+        kwargs = engine_kwargs(args)
         assert kwargs["deterministic"] is want and "deterministic" not in kwargs["plugin_options"]
-        if command == "serve":  # the server's own options travel in plugin_options; the engine's are fields
-            kwargs["plugin_options"] = {}
-        assert EngineConfig(**{k: v for k, v in kwargs.items() if k != "prompt"}).deterministic is want
-    assert EngineConfig().deterministic is DEFAULT_DETERMINISTIC
+        assert EngineConfig.from_kwargs(**kwargs).compute.deterministic is want
+    assert EngineConfig().compute.deterministic is DEFAULT_DETERMINISTIC
 
 
 def test_offline_bench_takes_the_flag() -> None:
@@ -141,6 +149,44 @@ def test_an_unset_flag_follows_the_backend_and_a_set_one_wins() -> None:
     assert resolve_deterministic(False, entry, bf16) == (False, "--no-deterministic")
     assert resolve_deterministic(True, entry, fp32) == (True, "--deterministic")
     assert "deterministic by default (measured 1.01x)" in _details({"reasons": [], "capabilities": {"bfloat16": {"deterministic_default": True, "deterministic_why": "measured 1.01x"}}})
+
+
+class _RefusesInTheMode(Backend):
+    """Cheap here in the mode's numbers (its default turns it on), yet with
+    no batch-invariant GEMM: its check() refuses the mode."""
+
+    WHY = "no batch-invariant GEMM"
+
+    @classmethod
+    def check(cls, ctx):
+        return [cls.WHY] if ctx.deterministic else []
+
+    @classmethod
+    def capabilities(cls, ctx):
+        return BackendCapabilities(deterministic_default=True, deterministic_why="measured 1.01x")
+
+    def ops(self):
+        return _any_ops(BASE_OPS)
+
+
+def test_a_backend_is_judged_in_the_mode_it_would_run_in() -> None:
+    """The mode is settled with the backend (``choose_backend``): each
+    candidate is judged in the mode it would run in, never selected with the
+    mode off and then run with it on."""
+    impl_module().DetRefuses = _RefusesInTheMode
+    impl_module().DetReference = _Reference
+    reg = registry_of(
+        ("plinth-fake-modes", "1.0", plugin_module("modes", accel("modecpu"), plinth_register_backends=_register(
+            BackendDescriptor(name="eager", impl=f"{impl_module().__name__}:DetRefuses", priority=9),
+            BackendDescriptor(name="ref", impl=f"{impl_module().__name__}:DetReference", reference=True))))
+    )  # fmt: skip
+    ctx = SelectionContext(dtype=torch.bfloat16)
+    unset = choose_backend(reg, "auto", None, ctx)  # eager would run deterministic, which it refuses: the reference
+    assert (unset.entry.name, unset.deterministic) == ("ref", False)
+    off = choose_backend(reg, "auto", False, ctx)
+    assert (off.entry.name, off.deterministic, off.why) == ("eager", False, "--no-deterministic")
+    with pytest.raises(PluginError, match=_RefusesInTheMode.WHY):
+        choose_backend(reg, "eager", None, ctx)
 
 
 def _register(*descriptors):

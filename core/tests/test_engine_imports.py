@@ -1,8 +1,10 @@
 """The engine's modules import each other without a circle, counting the
 imports inside functions too (a function-level import hides a circle; it
-does not remove it). The layers, lowest first: interfaces, the engine of one
-process, start-up, the distributed engine, the worker and the factory that
-chooses between them, the clients (AsyncLLM, LLM)."""
+does not remove it). The layers, lowest first: interfaces and config; the
+executor seam and the engine that steps over it (which knows no rank);
+start-up; the multi-process parts (launch, the wire protocol, the watchdog,
+the multi-process executor, the dp front end); the worker and the factory;
+the clients (AsyncLLM, LLM)."""
 
 from __future__ import annotations
 
@@ -63,14 +65,23 @@ def test_find_cycle_sees_a_circle() -> None:
 
 def test_no_import_circle_in_the_engine() -> None:
     graph = import_graph()
-    assert {"engine", "startup", "distributed", "worker", "factory", "interfaces"} <= set(graph)
+    assert {"engine", "executor", "startup", "launch", "wire", "watchdog", "multiproc", "data_parallel", "worker", "factory", "interfaces"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, "import circle among engine modules: " + " -> ".join(cycle)
+
+
+#: the modules of more than one rank
+RANKS = {"launch", "wire", "watchdog", "multiproc", "data_parallel", "worker", "parallel"}
 
 
 def test_layers() -> None:
     graph = import_graph()
     assert graph["interfaces"] == set()  # every engine module may import it
-    assert "startup" not in graph["engine"] and "factory" not in graph["engine"]
-    assert not {"distributed", "worker", "factory", "engine"} & graph["startup"]
-    assert "worker" not in graph["distributed"]  # ranks start as `python -m plinth.engine.worker`, by name
+    assert graph["config"] <= {"kv_events"}  # the settings: read by the command line, cheap to import
+    # the engine steps over an executor and knows no rank
+    assert not {"startup", "factory"} & graph["engine"] and not RANKS & graph["engine"]
+    assert not RANKS & graph["executor"] and "engine" not in graph["executor"]
+    assert not {"distributed", "worker", "factory", "engine", "executor", "multiproc", "data_parallel"} & graph["startup"]
+    assert not {"multiproc", "data_parallel", "worker", "factory", "engine"} & (graph["launch"] | graph["wire"] | graph["watchdog"])
+    assert not {"worker", "factory", "data_parallel"} & graph["multiproc"]
+    assert "worker" not in graph["factory"] and "factory" not in graph["worker"]  # ranks start as `python -m plinth.engine.worker`, by name

@@ -56,7 +56,7 @@ def test_budget_counts_the_weights_once(share):
     weights = int(share * TOTAL)
     peak, a2a = 2 * GiB, GiB
     acc = ScriptedAccelerator(held=weights + a2a + CONTEXT)  # read after the weights loaded and the buffers were made
-    config = EngineConfig(model="x", max_num_seqs=10**6)  # no cap from sequence lengths
+    config = EngineConfig.from_kwargs(model="x", max_num_seqs=10**6)  # no cap from sequence lengths
     pages, page_bytes, budget = pool(config, acc, model(weights), activation_peak=peak, reserved=a2a)
     want = min(int(0.9 * TOTAL) - weights - peak - a2a, TOTAL - weights - a2a - CONTEXT - peak)
     assert budget == want > 0
@@ -73,21 +73,21 @@ def test_budget_counts_the_weights_once(share):
 def test_utilization_and_what_is_free_both_bound_the_budget():
     acc = ScriptedAccelerator(held=10 * GiB)
     m = model(8 * GiB)
-    low = EngineConfig(model="x", gpu_memory_utilization=0.5, max_num_seqs=10**6)
+    low = EngineConfig.from_kwargs(model="x", gpu_memory_utilization=0.5, max_num_seqs=10**6)
     _, _, budget = pool(low, acc, m, activation_peak=GiB)
     assert budget == int(0.5 * TOTAL) - 8 * GiB - GiB
     busy = ScriptedAccelerator(held=70 * GiB)  # another process holds most of the device
-    _, _, budget = pool(EngineConfig(model="x"), busy, m, activation_peak=GiB)
+    _, _, budget = pool(EngineConfig.from_kwargs(model="x"), busy, m, activation_peak=GiB)
     assert budget == 10 * GiB - GiB
     with pytest.raises(Exception, match="gpu_memory_utilization"):
-        EngineConfig(model="x", gpu_memory_utilization=1.5)
+        EngineConfig.from_kwargs(model="x", gpu_memory_utilization=1.5)
 
 
 def test_given_sizes_skip_the_budget():
     acc = ScriptedAccelerator(held=79 * GiB)
     m = model(79 * GiB)
-    assert pool(EngineConfig(model="x", num_pages=7), acc, m, max_model_len=64)[0] == 7
-    _, _, budget = pool(EngineConfig(model="x", kv_cache_memory=2.0), acc, m, max_model_len=64)
+    assert pool(EngineConfig.from_kwargs(model="x", num_pages=7), acc, m, max_model_len=64)[0] == 7
+    _, _, budget = pool(EngineConfig.from_kwargs(model="x", kv_cache_memory=2.0), acc, m, max_model_len=64)
     assert budget == 2 * GiB
 
 
@@ -104,17 +104,17 @@ def test_the_default_peak_reads_memory_around_the_forward():
 
 
 def test_profiling_tokens_are_the_step_budget():
-    assert profiling_tokens(EngineConfig(model="x", max_num_batched_tokens=2048), 4096) == 2048
-    assert profiling_tokens(EngineConfig(model="x", max_num_batched_tokens=2048), 1000) == 1000
-    assert profiling_tokens(EngineConfig(model="x"), 4096) == 512  # the default budget where it is measured later
+    assert profiling_tokens(EngineConfig.from_kwargs(model="x", max_num_batched_tokens=2048), 4096) == 2048
+    assert profiling_tokens(EngineConfig.from_kwargs(model="x", max_num_batched_tokens=2048), 1000) == 1000
+    assert profiling_tokens(EngineConfig.from_kwargs(model="x"), 4096) == 512  # the default budget where it is measured later
 
 
 def test_a_draft_models_weights_are_left_out(tmp_path):
     from plinth.engine.startup import draft_weight_bytes
 
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
-    assert draft_weight_bytes(EngineConfig(model="x", speculative_method="draft", speculative_model=str(tmp_path))) == 4096
-    assert draft_weight_bytes(EngineConfig(model="x")) == 0
+    assert draft_weight_bytes(EngineConfig.from_kwargs(model="x", speculative_method="draft", speculative_model=str(tmp_path))) == 4096
+    assert draft_weight_bytes(EngineConfig.from_kwargs(model="x")) == 0
 
 
 def test_the_profile_runs_a_decode_step_too_where_an_a2a_takes_its_decode_path():

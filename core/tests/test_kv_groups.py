@@ -157,7 +157,7 @@ def test_a_second_engine_loads_both_groups_through_a_connector():
         return toy_engine(page_size=4, num_pages=128, window=WINDOW, connector=store.connector, connector_options={"deadline_s": 5})
 
     a, b = engine(), engine()
-    assert a.runner.page_bytes() == 2 * 2 * 4 * 8  # two layers, K and V, 4 tokens of float64
+    assert a.executor.runner.page_bytes() == 2 * 2 * 4 * 8  # two layers, K and V, 4 tokens of float64
     prompt = _prompts(1, 42, 43, seed=6)[0]
     a.add_request("a", prompt + [5], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     run_all(a)
@@ -201,12 +201,12 @@ def test_pool_sizes_come_from_the_specs():
     from plinth.engine.startup import kv_pool_pages
 
     cfg = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=64)
-    plan = kv_pool_pages(EngineConfig(kv_cache_memory=1 / 1024, **cfg), None, _DescribedModel(), torch.float32, max_model_len=4096)
+    plan = kv_pool_pages(EngineConfig.from_kwargs(kv_cache_memory=1 / 1024, **cfg), None, _DescribedModel(), torch.float32, max_model_len=4096)
     # a page: 16 tokens x 2 heads x (8 + 8) x 4 bytes = 2048 bytes a layer, two layers a group
     assert plan.page_bytes == [4096, 4096]
     # the window group: 4 sequences x (its 16-token window + the page being filled) + a 64-token step
     assert plan.pages[1] == 4 * 2 + 4
     assert plan.pages[0] == (1 << 20) // 4096 - 12  # the rest of the 1 MiB budget
     assert plan.total_bytes <= 1 << 20
-    explicit = kv_pool_pages(EngineConfig(num_pages=100, **cfg), None, _DescribedModel(), torch.float32, max_model_len=4096)
+    explicit = kv_pool_pages(EngineConfig.from_kwargs(num_pages=100, **cfg), None, _DescribedModel(), torch.float32, max_model_len=4096)
     assert explicit.pages == [100, 12] and explicit.budget is None

@@ -200,7 +200,7 @@ def test_explicit_budget_skips_measurement():
     def forward(n):
         raise AssertionError("measured although an integer was given")
 
-    plan = sp.plan_step(EngineConfig(max_num_batched_tokens=300), kv=_Pool(), max_model_len=4096, forward=forward)
+    plan = sp.plan_step(EngineConfig.from_kwargs(max_num_batched_tokens=300), kv=_Pool(), max_model_len=4096, forward=forward)
     assert (plan.max_num_batched_tokens, plan.source, plan.curve) == (300, "explicit", [])
 
 
@@ -216,7 +216,7 @@ def test_auto_measures_with_the_given_forward():
 
 def test_the_decodes_count_speculative_tokens():
     clock = FakeClock(lambda n: 0.0001 * n)
-    cfg = EngineConfig(max_num_seqs=40, speculative_method="ngram", num_speculative_tokens=3)
+    cfg = EngineConfig.from_kwargs(max_num_seqs=40, speculative_method="ngram", num_speculative_tokens=3)
     plan = sp.plan_step(cfg, kv=_Pool(), max_model_len=4096, forward=clock.forward, clock=clock)
     assert plan.max_num_batched_tokens == 32 + 40 * (1 + 3)
 
@@ -224,7 +224,7 @@ def test_the_decodes_count_speculative_tokens():
 def test_distributed_takes_the_default_without_measuring():
     plan = sp.plan_step(EngineConfig(), max_model_len=4096, distributed=True)
     assert (plan.max_num_batched_tokens, plan.source) == (DEFAULT_MAX_NUM_BATCHED_TOKENS, "default")
-    plan = sp.plan_step(EngineConfig(max_num_seqs=1000), max_model_len=4096, distributed=True)
+    plan = sp.plan_step(EngineConfig.from_kwargs(max_num_seqs=1000), max_model_len=4096, distributed=True)
     assert plan.max_num_batched_tokens == 1000
 
 
@@ -232,20 +232,21 @@ def test_distributed_takes_the_default_without_measuring():
 
 
 def test_option_parsing():
-    assert EngineConfig().max_num_batched_tokens == AUTO
-    assert EngineConfig(max_num_batched_tokens="Auto").max_num_batched_tokens == AUTO
-    assert EngineConfig(max_num_batched_tokens="256").max_num_batched_tokens == 256
+    assert EngineConfig().scheduler.max_num_batched_tokens == AUTO
+    assert EngineConfig.from_kwargs(max_num_batched_tokens="Auto").scheduler.max_num_batched_tokens == AUTO
+    assert EngineConfig.from_kwargs(max_num_batched_tokens="256").scheduler.max_num_batched_tokens == 256
     assert parse_token_budget(None) == AUTO
     for bad in (0, -3, "x", "1.5", 2.5):
         with pytest.raises(ConfigError):
-            EngineConfig(max_num_batched_tokens=bad)
+            EngineConfig.from_kwargs(max_num_batched_tokens=bad)
 
 
 def test_cli_flag_takes_auto_or_an_integer(capsys):
-    from plinth.cli import add_engine_options
+    from plinth.cli import add_config_arguments
+    from plinth.plugins import PluginRegistry
 
     parser = argparse.ArgumentParser()
-    add_engine_options(parser)
+    add_config_arguments(parser, PluginRegistry.discover(), command="serve", only=["max_num_batched_tokens"])
     assert parser.parse_args([]).max_num_batched_tokens == AUTO
     assert parser.parse_args(["--max-num-batched-tokens", "auto"]).max_num_batched_tokens == AUTO
     assert parser.parse_args(["--max-num-batched-tokens", "128"]).max_num_batched_tokens == 128

@@ -26,6 +26,7 @@ from plinth.api import (
     SlidingWindowSpec,
 )
 from plinth.engine.engine import LLMEngine
+from plinth.engine.executor import LocalExecutor
 from plinth.engine.kv_cache_manager import KVCacheManager
 from plinth.engine.model_runner import ModelRunner
 from plinth.engine.scheduler import Scheduler
@@ -151,7 +152,7 @@ def toy_engine(
             connector(layout), layout, read_pages=runner.read_pages, write_pages=runner.write_pages, options=connector_options
         )
     sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return LLMEngine(runner=runner, tokenizer=ToyTokenizer(), model_config=cfg, scheduler=sched, max_model_len=max_model_len)
+    return LLMEngine(executor=LocalExecutor(runner), tokenizer=ToyTokenizer(), model_config=cfg, scheduler=sched, max_model_len=max_model_len)
 
 
 def run_all(engine: LLMEngine, max_steps: int = 10_000):

@@ -1,7 +1,11 @@
 """The ``platform`` command.
 
-Plugin choices (``--device``, ``--backend``, ``--a2a``, ``--kv-connector``) are
-read from the installed plugins when the parser is built; nothing here names
+The engine's flags are made from the settings' declarations
+(``plinth.engine.config``: name, type, default, help), one argument group
+per section (``add_config_arguments``), as ``LLM(**kw)`` is; nothing here
+writes a setting's default again. Plugin choices (``--device``,
+``--backend``, ``--a2a``, ``--kv-connector``, ``--speculative-method``) show
+the installed plugins' names when the parser is built; nothing here names
 one. A bad choice is rejected by the plugin registry, whose message lists
 every candidate and why it cannot be used.
 """
@@ -9,29 +13,50 @@ every candidate and why it cannot be used.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import shlex
 import sys
-from typing import Any, Callable, Sequence
+import typing
+from typing import Any, Callable, Iterable, Sequence
 
 from plinth import __version__
 from plinth.contract import AcceleratorDescriptor
-from plinth.engine.config import AUTO, DEFAULT_DETERMINISTIC, parse_token_budget
+from plinth.engine.config import AUTO, SECTIONS, default_of, iter_settings, setting_sections
 from plinth.errors import ConfigError, PlinthError
 from plinth.plugins import ALLOW_ENV, BLOCK_ENV, PluginRegistry, install_hint
 
 log = logging.getLogger("plinth")
 
-#: the option that chooses each category's plugin, and its default
-CATEGORY_OPTIONS = {
-    "accelerator": ("--device", "auto"),
-    "backend": ("--backend", "auto"),
-    "a2a": ("--a2a", "auto"),
-    "kv_connector": ("--kv-connector", None),
-    "proposer": ("--speculative-method", None),
+
+def _flag(f: Any) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+#: the option that chooses each category's plugin, and its default (the settings' declarations)
+CATEGORY_OPTIONS: dict[str, tuple[str, str | None]] = {
+    f.metadata["category"]: (_flag(f), default_of(f)) for _, f in iter_settings() if f.metadata.get("category")
 }
+
+#: each section's argument group
+SECTION_TITLES = {
+    "load": "model",
+    "compute": "compute (plugin choices are the installed plugins; see `platform plugins`)",
+    "cache": "KV cache",
+    "scheduler": "scheduler",
+    "parallel": "parallelism and the multi-process launch (torchrun's flags; one node launches all its ranks itself)",
+    "speculative": "speculative decoding",
+    "kv_transfer": "KV connector",
+    "observability": "observability",
+}
+
+#: flags that only the command line has: another spelling of a setting
+KV_TRANSFER_CONFIG_HELP = (
+    'the KV connector as vLLM and LMDeploy spell it: \'{"kv_connector": NAME, "kv_role": kv_both|kv_producer|kv_consumer, '
+    '"kv_connector_extra_config": {...}}\' (merged under --kv-connector-config)'
+)
 
 
 def _choices(registry: PluginRegistry, category: str, with_auto: bool) -> str:
@@ -39,133 +64,108 @@ def _choices(registry: PluginRegistry, category: str, with_auto: bool) -> str:
     return "{" + ",".join(names) + "}" if names else "NAME"
 
 
-def add_plugin_options(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:
-    """The plugin choices, with the names the installed plugins register."""
-    group = parser.add_argument_group("plugins (choices are the installed plugins; see `platform plugins`)")
-    for category, (flag, default) in CATEGORY_OPTIONS.items():
-        with_auto = default == "auto"
-        group.add_argument(
-            flag,
-            default=default,
-            metavar=_choices(registry, category, with_auto),
-            help=f"{category.replace('_', ' ')} plugin" + (" (default: auto, the best available)" if with_auto else " (default: none)"),
-        )
-    group.add_argument("--kv-connector-config", default=None, metavar="JSON", help="options for the KV connector, as JSON")
-    group.add_argument(
-        "--kv-transfer-config",
-        default=None,
-        metavar="JSON",
-        help='the KV connector as vLLM and LMDeploy spell it: \'{"kv_connector": NAME, "kv_role": '
-        'kv_both|kv_producer|kv_consumer, "kv_connector_extra_config": {...}}\' (merged under --kv-connector-config)',
-    )
-    group.add_argument(
-        "--kv-events-config",
-        default=None,
-        metavar="JSON",
-        help='publish KV-cache events as vLLM does (for llm-d and `platform router`): \'{"enable_kv_cache_events": true, '
-        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\'; '
-        '"array_like": true for the positional layout of vLLM before 0.32 and llm-d\'s indexer',
-    )
-    group.add_argument(
-        "--num-speculative-tokens", type=int, default=None, metavar="K", help="most tokens proposed per sequence and step (default 4)"
-    )
-    group.add_argument("--speculative-model", default=None, metavar="PATH", help="the draft model (--speculative-method draft)")
-    extra = parser.add_argument_group("plugin options")
-    registry.hook.plinth_add_cli_arguments(parser=extra)
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 | float16")
-    g.add_argument(
-        "--dequantize",
-        action="store_true",
-        help="dequantize quantized weights (GGUF blocks) at load to --dtype, even where the backend runs them quantized",
-    )
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (any value >= 1)")
-    g.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: from --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB", help="memory for the KV pool")
-    g.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
-        help="share of a device's memory the run may hold in all: weights, the profiled activation peak, "
-        "a2a buffers and the KV pool (default 0.9, as vLLM)",
-    )  # fmt: skip
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=_token_budget,
-        default=AUTO,
-        metavar="N|auto",
-        help="token budget of one step (default: auto, chosen at start-up from timed prefill steps of the model; "
-        "the choice and its measurements are logged)",
-    )
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV pages of shared prefixes"
-    )
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel size: 1, or the world tp x dp")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ep / tp when ep > tp, else 1)")
-    p = parser.add_argument_group("multi-process launch (torchrun's flags; one node launches all its ranks itself)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes of the world (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index; nodes other than 0 run workers only")
-    p.add_argument("--master-addr", default=None, help="rank 0's address (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=None, help="rank 0's rendezvous port (default: a free one, on one node)")
-    p.add_argument(
-        "--dist-timeout", type=float, default=10.0, metavar="S", help="a rank silent this long fails the engine (default 10)"
-    )
-    g.add_argument("--seed", type=int, default=0, help="default sampling seed base")
-    g.add_argument(
-        "--deterministic",
-        action=argparse.BooleanOptionalAction,
-        default=DEFAULT_DETERMINISTIC,
-        help="batch-invariant ops: a request's tokens and logits do not depend on its batch, chunking, page size, "
-        "prefix-cache hits or speculation (docs/serving.md; `platform plugins` shows what each backend declines). "
-        "Unset: on where the chosen backend measured the mode within 5%% of its default ops on this kind of machine "
-        "(the start-up log says which and why)",
-    )
-
-
-def _token_budget(text: str) -> int | str:
-    try:
-        return parse_token_budget(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _json_option(args: argparse.Namespace, name: str) -> dict[str, Any] | None:
-    text = getattr(args, name, None)
-    if not text:
-        return None
-    flag = "--" + name.replace("_", "-")
+def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"{flag} must be a JSON object")
+        raise argparse.ArgumentTypeError("must be a JSON object")
     return value
 
 
-def plugin_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine keyword arguments from the parsed plugin and engine options."""
-    kv_config = _json_option(args, "kv_transfer_config")
-    own = _json_option(args, "kv_connector_config")
-    if own is not None:
-        kv_config = {**(kv_config or {}), **own}
-    known = {
-        "model", "device", "backend", "a2a", "kv_connector", "dtype", "dequantize", "page_size", "num_pages", "kv_cache_memory",
-        "gpu_memory_utilization",
-        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "tp", "ep", "seed",
-        "kv_connector_config", "kv_transfer_config", "kv_events_config",
-        "speculative_method", "num_speculative_tokens", "speculative_model", "deterministic",
-    }
-    known |= {"dp", "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout"}
-    kwargs = {k: v for k, v in vars(args).items() if k in known}
-    kwargs.pop("kv_transfer_config", None)
-    kwargs["kv_connector_config"] = kv_config
-    kwargs["kv_events_config"] = _json_option(args, "kv_events_config")
-    kwargs["plugin_options"] = {k: v for k, v in vars(args).items() if k not in known and not k.startswith("_")}
+def _json_option(args: argparse.Namespace, name: str) -> dict[str, Any] | None:
+    """A JSON-object option given as text (None when not given)."""
+    text = getattr(args, name, None)
+    if not text:
+        return None
+    try:
+        return _json_object(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"--{name.replace('_', '-')} is {exc}") from None
+
+
+def _parser_of(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A setting's parser as argparse's ``type``: its ConfigError a usage error."""
+
+    def parse_arg(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse_arg.__name__ = getattr(parse, "__name__", "value")
+    return parse_arg
+
+
+def _default_text(f: Any) -> str:
+    default, unset = default_of(f), f.metadata.get("unset")
+    if isinstance(default, bool):
+        text = "on" if default else "off"
+    else:
+        text = "" if default is None else str(default)
+    return ", ".join(t for t in (text, unset) if t) or "none"
+
+
+def setting_argument(f: Any, hints: dict[str, Any], registry: PluginRegistry) -> tuple[str, dict[str, Any]]:
+    """The flag of one setting and its ``add_argument`` keywords, from its declaration."""
+    meta = f.metadata
+    kw: dict[str, Any] = {"dest": f.name, "default": default_of(f)}
+    kw["help"] = f"{meta['help']} (default: {_default_text(f)})".replace("%", "%%")
+    types = {t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)}
+    if meta.get("category"):
+        kw["metavar"] = _choices(registry, meta["category"], kw["default"] == AUTO)
+    elif meta.get("metavar"):
+        kw["metavar"] = meta["metavar"]
+    if meta.get("parse"):
+        kw["type"] = _parser_of(meta["parse"])
+    elif meta.get("json"):
+        kw["type"] = _json_object
+    elif types == {bool}:
+        kw["action"] = argparse.BooleanOptionalAction if meta.get("negatable", True) else "store_true"
+    elif len(types) == 1 and next(iter(types)) in (int, float):
+        kw["type"] = next(iter(types))
+    return _flag(f), kw
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry, *, command: str, only: Iterable[str] | None = None) -> None:
+    """The flags of the engine's settings (``plinth.engine.config``), one
+    argument group per section, and the options plugins add; ``only``: just
+    these settings (a command that takes a few, as ``bench offline``)."""
+    wanted = set(only) if only is not None else None
+    groups: dict[str, Any] = {}
+    for section, f in iter_settings():
+        commands = f.metadata.get("commands")
+        if not f.metadata.get("cli", True) or (commands and command not in commands) or (wanted is not None and f.name not in wanted):
+            continue
+        if section not in groups:
+            groups[section] = parser.add_argument_group(SECTION_TITLES[section])
+        flag, kw = setting_argument(f, typing.get_type_hints(SECTIONS[section]), registry)
+        groups[section].add_argument(flag, **kw)
+        if f.name == "kv_connector_config":
+            groups[section].add_argument("--kv-transfer-config", type=_json_object, default=None, metavar="JSON", help=KV_TRANSFER_CONFIG_HELP)
+    if wanted is None:
+        extra = parser.add_argument_group("plugin options")
+        before = {a.dest for a in parser._actions}
+        registry.hook.plinth_add_cli_arguments(parser=extra)
+        parser.set_defaults(_plugin_options=[a.dest for a in parser._actions if a.dest not in before])
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """The model, a positional argument (``LoadConfig.model``'s declaration)."""
+    f = next(f for _, f in iter_settings() if f.name == "model")
+    parser.add_argument("model", nargs="?", default=default_of(f), help=f"{f.metadata['help']} (default: {_default_text(f)})")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM`` keyword arguments from parsed flags: the settings given as
+    flags (``add_config_arguments``) and the plugins' options."""
+    names = setting_sections()
+    kwargs = {k: v for k, v in vars(args).items() if k in names}
+    transfer = getattr(args, "kv_transfer_config", None)
+    if transfer is not None:  # vLLM's spelling, under plinth's own
+        kwargs["kv_connector_config"] = {**transfer, **(kwargs.get("kv_connector_config") or {})}
+    kwargs["plugin_options"] = {k: getattr(args, k) for k in getattr(args, "_plugin_options", ())}
     return kwargs
 
 
@@ -217,8 +217,6 @@ def _unsupported_ops(registry: PluginRegistry, row: dict[str, Any], ctx: Any) ->
     """For an available backend, over the accelerator's dtypes: dtype ->
     {op: why} it declines, and dtype -> {op: why} it declines in addition
     under ``--deterministic`` (an empty dict: every op it has stays, batch-invariant)."""
-    import dataclasses
-
     impl = registry.get("backend", row["name"]).load()
     out, deterministic = {}, {}
     for dtype in ctx.accelerator.supported_dtypes():
@@ -235,8 +233,6 @@ def _capabilities(registry: PluginRegistry, row: dict[str, Any], ctx: Any) -> tu
     """dtype -> the backend's declared capabilities (those it declares), over
     the accelerator's dtypes: what start-up hands the model loader there; and
     dtype -> those under ``--deterministic`` where they differ."""
-    import dataclasses
-
     impl = registry.get("backend", row["name"]).load()
     out, deterministic = {}, {}
     for dtype in ctx.accelerator.supported_dtypes():
@@ -279,10 +275,11 @@ def resolve_choices(
     ctx = SelectionContext(options=dict(options or {}))
     accel = registry.select("accelerator", choices.get("accelerator") or "auto", ctx)
     selected: dict[str, Any] = {"accelerator": accel}
-    ctx.accelerator = accel.load()()
+    accelerator = accel.load()()
+    ctx = dataclasses.replace(ctx, accelerator=accelerator)
     prefer: tuple[str, ...] = ()
     try:
-        prefer = tuple(ctx.accelerator.info().preferred_backends)
+        prefer = tuple(accelerator.info().preferred_backends)
     except Exception as exc:  # info() may need the device; selection does not
         log.debug("info() of %s failed: %s", accel.name, exc)
     for category in ("backend", "a2a", "kv_connector", "proposer"):
@@ -410,7 +407,9 @@ def add_plugins_subcommands(plugins: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     check.add_argument("plugin", metavar="PATH_OR_NAME", help="a plugin's source folder (installed), its distribution or its name")
     check.add_argument("--json", action="store_true", help="the report as JSON")
-    check.add_argument("--device", default="auto", help="the accelerator the checks compute on (default: auto)")
+    check.add_argument(
+        "--device", default=CATEGORY_OPTIONS["accelerator"][1], help="the accelerator the checks compute on (default: %(default)s)"
+    )
     check.add_argument(
         "--dtype", action="append", default=None, metavar="DTYPE",
         help="a dtype to check (repeat or comma-separate; default: every dtype the accelerator offers)",
@@ -530,7 +529,8 @@ def _pre_parse(argv: Sequence[str]) -> argparse.Namespace:
     pre.add_argument("--plugins-allow", default=None)
     pre.add_argument("--plugins-block", default=None)
     pre.add_argument("--log-level", default=os.environ.get("PLINTH_LOG_LEVEL", "INFO"))
-    pre.add_argument("--device", default="auto")
+    flag, default = CATEGORY_OPTIONS["accelerator"]
+    pre.add_argument(flag, dest="device", default=default)
     known, _ = pre.parse_known_args(argv)
     return known
 

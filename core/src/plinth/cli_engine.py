@@ -6,21 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from plinth.cli import add_engine_options, add_plugin_options, plugin_kwargs
+from plinth.cli import add_config_arguments, add_model_argument, engine_kwargs
 from plinth.plugins import PluginRegistry
 
 
-def _add_model(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="a Hugging Face model folder or a .gguf file (default: the bundled SmolLM2-135M-Instruct)",
-    )
-
-
 def add_generate_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:
-    _add_model(parser)
+    add_model_argument(parser)
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -28,8 +19,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser, registry: PluginRegi
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    add_engine_options(parser)
-    add_plugin_options(parser, registry)
+    add_config_arguments(parser, registry, command="generate")
 
 
 def generate(args: argparse.Namespace, registry: PluginRegistry) -> int:
@@ -43,7 +33,7 @@ def generate(args: argparse.Namespace, registry: PluginRegistry) -> int:
         top_k=args.top_k,
         seed=args.sample_seed,
     )
-    with LLM(registry=registry, **plugin_kwargs(args)) as llm:  # close(): KV saves flushed, ranks stopped
+    with LLM(registry=registry, **engine_kwargs(args)) as llm:  # close(): KV saves flushed, ranks stopped
         if args.chat:
             outputs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in args.prompt]
         else:
@@ -57,22 +47,20 @@ def generate(args: argparse.Namespace, registry: PluginRegistry) -> int:
 def add_serve_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:
     from plinth.server.cli import add_server_options
 
-    _add_model(parser)
+    add_model_argument(parser)
     add_server_options(parser)
-    add_engine_options(parser)
-    add_plugin_options(parser, registry)
+    add_config_arguments(parser, registry, command="serve")
 
 
 def serve(args: argparse.Namespace, registry: PluginRegistry) -> int:
-    from plinth.server.cli import SERVER_OPTIONS, run_server
+    from plinth.server.cli import run_server
 
-    kwargs = plugin_kwargs(args)
+    kwargs = engine_kwargs(args)
     if kwargs.get("node_rank"):  # a node other than 0 runs its worker ranks only (rank 0's node serves)
         from plinth.engine.config import EngineConfig
         from plinth.engine.worker import run_node
 
-        options = {k: v for k, v in kwargs["plugin_options"].items() if k not in SERVER_OPTIONS}
-        return run_node(EngineConfig(**{**kwargs, "plugin_options": options}))
+        return run_node(EngineConfig.from_kwargs(**kwargs))
     return run_server(args, registry, kwargs)
 
 

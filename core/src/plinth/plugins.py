@@ -27,7 +27,7 @@ import logging
 import os
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -393,15 +393,19 @@ class PluginRegistry:
         usable = sorted(e.name for e in self.entries[category] if e.status == OK)
         return f"no {category} named {name!r} (usable here: {', '.join(usable) or 'none'}). " + described
 
-    def describe_candidates(self, category: str, ctx: SelectionContext | None = None) -> str:
-        """Every candidate of a category with its status and reasons."""
+    def describe_candidates(
+        self, category: str, ctx: SelectionContext | None = None, *, judge: Callable[[PluginEntry], SelectionContext] | None = None
+    ) -> str:
+        """Every candidate of a category with its status and reasons (each
+        judged in ``judge(entry)`` where given, else in ``ctx``)."""
         entries = self.entries[category]
         failed = [i for i in self.failed_entry_points()]
         if not entries and not failed:
             return f"No {category} plugins are installed ({install_hint(category)})."
         lines = [f"Installed {category} plugins:"]
         for e in sorted(entries, key=lambda e: e.name):
-            reasons = e.evaluate(ctx or SelectionContext()) if e.status not in (INCOMPATIBLE, BLOCKED) else e.reasons
+            judged = judge(e) if judge is not None else ctx or SelectionContext()
+            reasons = e.evaluate(judged) if e.status not in (INCOMPATIBLE, BLOCKED) else e.reasons
             lines.append(f"  {e.label()}: {e.status}" + (f": {'; '.join(reasons)}" if reasons else ""))
         for info in failed:
             lines.append(f"  plugin {info.name} ({info.distribution} {info.version}): failed to load: {info.error}")
@@ -416,20 +420,24 @@ class PluginRegistry:
         ctx: SelectionContext,
         *,
         prefer: Iterable[str] = (),
+        judge: Callable[[PluginEntry], SelectionContext] | None = None,
     ) -> PluginEntry:
         """Resolve ``name`` (or ``auto``/None) in a category, once, at startup.
 
         A named plugin validates against ctx or raises PluginError with every
         candidate's reasons. ``auto`` takes the first preferred name that
         validates, then the rest by priority; the choice is logged.
+        ``judge(entry)``: the context each candidate is judged in, where it
+        depends on the candidate (a backend's own deterministic default).
         """
+        context = judge or (lambda _e: ctx)
         if name and name != "auto":
             entry = self.get(category, name)
-            reasons = entry.evaluate(ctx)
+            reasons = entry.evaluate(context(entry))
             if reasons:
                 raise PluginError(
                     f"{category} {entry.label()} cannot be used: {'; '.join(reasons)}\n"
-                    + self.describe_candidates(category, ctx)
+                    + self.describe_candidates(category, ctx, judge=judge)
                 )
             log.info("%s: using %s", category, entry.label())
             return entry
@@ -444,7 +452,7 @@ class PluginRegistry:
         )
         skipped = []
         for entry in candidates:
-            reasons = entry.evaluate(ctx)
+            reasons = entry.evaluate(context(entry))
             if not reasons:
                 log.info(
                     "%s: auto chose %s%s",
@@ -456,7 +464,7 @@ class PluginRegistry:
             skipped.append(f"{entry.name}: {'; '.join(reasons)}")
         for info in self.failed_entry_points():
             log.warning("plugin %s (%s) failed to load: %s", info.name, info.distribution, info.error)
-        raise PluginError(f"no usable {category} plugin. " + self.describe_candidates(category, ctx))
+        raise PluginError(f"no usable {category} plugin. " + self.describe_candidates(category, ctx, judge=judge))
 
     # ---- hooks -----------------------------------------------------------------
 

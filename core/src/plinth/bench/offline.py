@@ -22,35 +22,26 @@ import sys
 import time
 from typing import Any
 
-from plinth.engine.config import AUTO, DEFAULT_DETERMINISTIC, parse_token_budget
+from plinth.cli import add_config_arguments
 from plinth.plugins import PluginRegistry
+
+#: the engine settings the benchmark takes (flags made as `platform serve` makes them)
+ENGINE_SETTINGS = (
+    "dtype", "dequantize", "device", "backend", "max_num_seqs", "max_num_batched_tokens", "deterministic",
+    "speculative_method", "num_speculative_tokens", "speculative_model",
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> None:
     parser.add_argument("--model", default=None, help="model folder or .gguf (default: the bundled SmolLM2-135M)")
-    parser.add_argument(
-        "--dtype", default="auto",
-        help="compute dtype (default auto: the engine's choice for the device, float32 where bfloat16 matmuls are not native); "
-        "transformers gets the same",
-    )
-    parser.add_argument("--dequantize", action="store_true", help="GGUF weights dequantized at load (default: kept in their blocks where the backend runs them)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--backend", default="auto")
+    # the engine's own settings, as `platform serve` takes them (transformers gets the same dtype)
+    add_config_arguments(parser, registry, command="bench", only=ENGINE_SETTINGS)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--min-input", type=int, default=16)
     parser.add_argument("--max-input", type=int, default=512)
     parser.add_argument("--min-output", type=int, default=16)
     parser.add_argument("--max-output", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument(
-        "--max-num-batched-tokens", type=parse_token_budget, default=AUTO, metavar="N|auto",
-        help="token budget of one step (default auto: measured at start-up; the result's engine.step_plan)",
-    )
-    parser.add_argument(
-        "--deterministic", action=argparse.BooleanOptionalAction, default=DEFAULT_DETERMINISTIC,
-        help="batch-invariant ops (as `platform serve --deterministic`): run with and without to measure the mode's cost",
-    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and decode inputs (the workload's)")
     parser.add_argument("--decode-steps", type=int, default=64, help="steps timed for the decode figures")
     parser.add_argument(
         "--peers",
@@ -60,10 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser, registry: PluginRegistry) -> 
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: throughput, batch1, batch32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
-    g = parser.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", default=None, metavar="NAME", help="a proposer plugin (ngram, draft)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K")
-    g.add_argument("--speculative-model", default=None, metavar="PATH")
+    g = parser.add_argument_group("speculative decoding: ngram's options")
     g.add_argument("--ngram-min-n", type=int, default=None)
     g.add_argument("--ngram-max-n", type=int, default=None)
 
@@ -310,10 +298,7 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     result["read_bandwidth_GBps"] = read_bw / 1e9
 
     llm: Any = LLM(  # the benchmark reads the engine's parts (components, runner)
-        args.model, device=args.device, backend=args.backend, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, registry=registry, kv_cache_memory=2.0,
-        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-        speculative_model=args.speculative_model, dequantize=args.dequantize, deterministic=args.deterministic,
+        args.model, registry=registry, kv_cache_memory=2.0, **{name: getattr(args, name) for name in ENGINE_SETTINGS},
         plugin_options={k: v for k, v in (("ngram_min_n", args.ngram_min_n), ("ngram_max_n", args.ngram_max_n)) if v is not None},
     )
     # which machine and paths the figures came from
@@ -322,7 +307,7 @@ def run(args: argparse.Namespace, registry: PluginRegistry) -> int:
     dtype_name = str(llm.engine.components.dtype).removeprefix("torch.")
     result["matmul_GFLOPs"] = measure_matmul_flops(dtype_name) / 1e9
     result["matmul_dtype"] = dtype_name
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     tok = llm.get_tokenizer()
     vocab = llm.engine.model_config.vocab_size
     special: set[int] = set(getattr(tok, "special_token_ids", ()) or ())

@@ -14,7 +14,8 @@ subclass them.
 module             category: descriptor, base class, what they exchange
 =================  ===================================================
 ``base``           every category: ``PluginDescriptor``, ``PluginImpl``,
-                   ``SelectionContext``, ``PLUGIN_API_VERSION``
+                   ``SelectionContext``, ``ResolvedConfig``,
+                   ``PLUGIN_API_VERSION``
 ``accelerator``    ``--device``: ``Accelerator``, ``AcceleratorInfo``
 ``backend``        ``--backend``: ``Backend``, the op signatures,
                    ``QuantizedWeight``, ``AttentionMetadata``
@@ -75,6 +76,7 @@ from plinth.contract.base import (
     PLUGIN_API_VERSION,
     PluginDescriptor,
     PluginImpl,
+    ResolvedConfig,
     SelectionContext,
     descriptor_fields,
     missing_methods,
@@ -178,6 +180,7 @@ __all__ = [
     "ReasoningParserDescriptor",
     "RmsNormOp",
     "RotaryOp",
+    "ResolvedConfig",
     "SelectionContext",
     "SlidingWindowSpec",
     "SiluAndMulOp",

@@ -95,6 +95,16 @@ class Accelerator(PluginImpl):
         """Called once in each process before the model loads (bind the
         device, set thread counts)."""
 
+    def process_group_device(self, local_rank: int) -> "torch.device | None":
+        """The device a rank's process group is bound to (torch.distributed's
+        ``init_process_group(device_id=...)``: its communicator formed at
+        once, not at the first collective, and the subgroups' split from
+        it), or None where collectives run on the host. A library that
+        reuses a group's communicator (DeepEP V2 reads ``_comm_ptr()``)
+        finds one only where the group is bound; the engine also runs a
+        collective on the expert group before building the a2a plugin."""
+        return None
+
     def synchronize(self) -> None:
         """Wait for queued device work (used by benchmarks and timing)."""
 
@@ -104,7 +114,7 @@ class Accelerator(PluginImpl):
         raise NotImplementedError
 
     def kv_cache_budget(
-        self, *, free: int, total: int, weights: int, activation_peak: int = 0, reserved: int = 0, utilization: float = 0.9
+        self, *, free: int, total: int, weights: int, utilization: float, activation_peak: int = 0, reserved: int = 0
     ) -> int:
         """Bytes the KV page pool takes by default (``--kv-cache-memory`` and
         ``--num-pages`` override), asked after the weights loaded and the a2a

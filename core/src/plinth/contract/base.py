@@ -17,10 +17,11 @@ if TYPE_CHECKING:  # the contract itself stays cheap to import
     from plinth.contract.model import ModelConfig
     from plinth.contract.proposer import ProposerContext
 
+#: 2.2: ``ResolvedConfig``, a frozen ``SelectionContext``, ``process_group_device``;
 #: 2.1: parsers state sample outputs (``examples``); 2.0: attention and the KV
 #: layout left the op table for ``AttentionBackend`` (docs/plugins.md,
 #: "Changelog of the plugin API")
-PLUGIN_API_VERSION = "2.1"
+PLUGIN_API_VERSION = "2.2"
 #: the range a descriptor supports when it states none: this major version
 DEFAULT_API_RANGE = ">=2.0,<3"
 
@@ -55,13 +56,44 @@ class PluginDescriptor:
             raise ValueError(f"{self.name}: impl {self.impl!r} must be 'module:attr'")
 
 
-@dataclass
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What start-up settled for this run, frozen: the engine and plugins
+    read these, never the settings as given (``--backend auto``, an unset
+    ``--deterministic``, ``--max-num-batched-tokens auto``). Every rank
+    resolves the same values. Plugins built once start-up is done (KV
+    connectors, proposers) find it in ``SelectionContext.resolved``; those
+    built during start-up get the same values in their context as each is
+    settled (``dtype``, ``deterministic``, ``layout``)."""
+
+    accelerator: str  # the accelerator plugin's name
+    backend: str  # the backend plugin whose ops run (the reference fills what it lacks)
+    dtype: "torch.dtype"
+    #: batch-invariant ops (``--deterministic``, or unset: the backend's ``deterministic_default``)
+    deterministic: bool
+    page_size: int  # tokens per KV page
+    #: pages of each KV-cache group (ranks: the fewest any rank holds)
+    num_pages: tuple[int, ...]
+    max_num_seqs: int
+    #: the step's token budget: as given, or measured at start-up (``plinth.engine.step_plan``)
+    max_num_batched_tokens: int
+    max_model_len: int
+    #: the a2a plugin's name with ep > 1, else None
+    a2a: str | None = None
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+
+@dataclass(frozen=True)
 class SelectionContext:
     """Everything known when a plugin is validated or built.
 
-    Fields are filled as startup proceeds: accelerators are checked with an
-    empty context, backends with the accelerator, dtype and model config.
-    options holds the parsed CLI/API options (plugin-specific ones included).
+    Frozen: start-up makes a new context (``dataclasses.replace``) as it
+    settles each thing: accelerators are checked with an empty context,
+    backends with the accelerator, dtype, model config and the deterministic
+    mode they would run in, a2a plugins with the planned layout. options
+    holds the parsed CLI/API options (plugin-specific ones included).
     """
 
     accelerator: "Accelerator | None" = None
@@ -83,6 +115,8 @@ class SelectionContext:
     #: tokens per KV page (``--page-size``): attention backends judge it
     #: (``AttentionBackend.page_sizes``); None in `platform plugins`
     page_size: int | None = None
+    #: what start-up settled, once it is done (KV connectors and proposers are built with it)
+    resolved: ResolvedConfig | None = None
 
 
 class PluginImpl(abc.ABC):  # noqa: B024 (the category bases below it declare the abstract methods)

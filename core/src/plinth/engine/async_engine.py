@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from plinth.engine.config import EngineConfig, SchedulerConfig
 from plinth.engine.factory import build_engine
 from plinth.engine.interfaces import (
     CLOSE_TIMEOUT_S,
@@ -58,8 +59,9 @@ class AsyncLLM(EngineClient):
     teams on the cores, and every op then sleeps and wakes instead of
     spinning: measured 1.7x slower decode on 2 cores.)"""
 
-    def __init__(self, engine: EngineCore | Callable[[], EngineCore], *, max_waiting_requests: int = 4096) -> None:
-        self.max_waiting_requests = max_waiting_requests
+    def __init__(self, engine: EngineCore | Callable[[], EngineCore], *, max_waiting_requests: int | None = None) -> None:
+        #: None: the setting's default (``SchedulerConfig.max_waiting_requests``)
+        self.max_waiting_requests = SchedulerConfig().max_waiting_requests if max_waiting_requests is None else max_waiting_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._cursors: dict[str, DeltaCursor] = {}  # engine thread only
@@ -85,8 +87,8 @@ class AsyncLLM(EngineClient):
             raise self._startup_error
 
     @classmethod
-    def from_config(cls, config: Any, registry: Any = None) -> "AsyncLLM":
-        return cls(lambda: build_engine(config, registry), max_waiting_requests=config.max_waiting_requests)
+    def from_config(cls, config: EngineConfig, registry: Any = None) -> "AsyncLLM":
+        return cls(lambda: build_engine(config, registry), max_waiting_requests=config.scheduler.max_waiting_requests)
 
     # ---- EngineClient -----------------------------------------------------------
 

@@ -30,11 +30,12 @@ def hash_page(parent: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def hash_pages(tokens: Sequence[int], page_size: int, *, seed: int = 0, start: Sequence[int] = ()) -> list[int]:
-    """Hashes of every full page of ``tokens``; ``start`` holds hashes already
+def hash_pages(tokens: Sequence[int], page_size: int, *, hash_seed: int = 0, start: Sequence[int] = ()) -> list[int]:
+    """Hashes of every full page of ``tokens``, chained from ``hash_seed``
+    (one per model: ``startup.hash_seed``); ``start`` holds hashes already
     known for the first pages (so growing sequences hash only new pages)."""
     hashes = list(start)
-    parent = hashes[-1] if hashes else seed
+    parent = hashes[-1] if hashes else hash_seed
     for i in range(len(hashes), len(tokens) // page_size):
         parent = hash_page(parent, tokens[i * page_size : (i + 1) * page_size])
         hashes.append(parent)

@@ -1,9 +1,12 @@
-"""The synchronous engine of one process: requests in, one scheduled step at
-a time, outputs out.
+"""The synchronous engine: requests in, one scheduled step at a time,
+outputs out.
 
 ``LLMEngine`` is an ``EngineCore`` driven by one thread (the offline ``LLM``
 loop or the ``AsyncLLM`` worker thread); nothing in it is shared with other
-threads. ``plinth.engine.factory`` builds it.
+threads. It schedules, and hands each step to its ``Executor``
+(``plinth.engine.executor``), which runs the forward and samples on however
+many ranks hold the model: the engine never knows how many.
+``plinth.engine.factory`` builds it.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from typing import Sequence as Seq
 import torch
 
 from plinth.engine.detokenizer import detokenize_step, find_stop
+from plinth.engine.executor import Executor
 from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore, EngineDraining
 from plinth.engine.kv_cache_manager import KVCacheManager
-from plinth.engine.model_runner import ModelRunner
 from plinth.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plinth.engine.sampler import SampleJob, Sampler, SampleRow, SamplesOnItsRank, make_generator
+from plinth.engine.sampler import SampleJob, SampleRow, make_generator
 from plinth.engine.sampling_params import SamplingParams
 from plinth.engine.scheduler import ScheduledBatch, Scheduler
 from plinth.engine.sequence import Request, Sequence
@@ -79,7 +82,7 @@ class LLMEngine(EngineCore):
     def __init__(
         self,
         *,
-        runner: ModelRunner | SamplesOnItsRank,
+        executor: Executor,
         tokenizer: Any,
         model_config: Any,
         scheduler: Scheduler,
@@ -87,17 +90,17 @@ class LLMEngine(EngineCore):
         components: Any = None,
         spec: Any = None,
     ) -> None:
-        self.runner = runner
+        #: runs each step's forward and samples it (``LocalExecutor``: this process's model runner)
+        self.executor = executor
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.scheduler = scheduler
         #: the one owner of KV pages (the scheduler's)
         self.kv: KVCacheManager = scheduler.kv
         if self.kv.copy_pages is None:
-            self.kv.copy_pages = runner.copy_pages
+            self.kv.copy_pages = executor.copy_pages
         self.max_model_len = max_model_len
         self.components = components  # what startup resolved (plugins, config)
-        self.sampler = Sampler()
         #: speculative decoding (``plinth.engine.speculative.SpecDecoder``), or None
         self.spec = spec
         self.requests: dict[str, Request] = {}
@@ -179,7 +182,8 @@ class LLMEngine(EngineCore):
         return self._request_output(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        # a failed executor is reported by the next step, even with nothing in flight
+        return bool(self.requests) or self.executor.failure is not None
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self.requests)
@@ -192,6 +196,7 @@ class LLMEngine(EngineCore):
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report every request that
         moved (including those that finished)."""
+        self.executor.check()
         proposed = self._propose() if self.spec is not None else []
         batch = self.scheduler.schedule()
         if proposed:
@@ -225,17 +230,14 @@ class LLMEngine(EngineCore):
     def _run(self, batch: ScheduledBatch, touched: dict[str, Request]) -> None:
         plan = step_rows(batch)
         sampling = self._sampling(plan)
-        if isinstance(self.runner, SamplesOnItsRank):  # a dp group's: only ids and logprobs come back
-            if plan.spec_at:
-                raise RuntimeError("speculative verification needs the logits on this rank")
-            result = self.runner.execute_sampled(batch, plan.rows, sampling.job)
-        else:
-            logits = self.runner.execute(batch, plan.rows)
-            result = sampling.job.run(logits, self.sampler)
-            if plan.spec_at:
-                for seq, v in self._verify(batch, plan.spec_at, logits):
-                    touched[seq.request.request_id] = seq.request
-                    self._append_verified(seq, v)
+        out = self.executor.execute(batch, plan.rows, sampling.job)
+        result = out.sampled
+        if plan.spec_at:
+            if out.logits is None:
+                raise RuntimeError("speculative verification needs the logits in this process")
+            for seq, v in self._verify(batch, plan.spec_at, out.logits):
+                touched[seq.request.request_id] = seq.request
+                self._append_verified(seq, v)
         self.scheduler.mark_computed(batch)
 
         for (seq, _, _, _), entries in zip(plan.prompt_lp, result.prompt_logprobs):
@@ -311,9 +313,9 @@ class LLMEngine(EngineCore):
 
     def _target_hidden(self, row: int) -> torch.Tensor:
         """The target's hidden state at a logits row of this step (proposers that read it)."""
-        hidden = self.runner.last_hidden if isinstance(self.runner, ModelRunner) else None
+        hidden = self.executor.last_hidden
         if hidden is None:
-            raise RuntimeError("the proposer reads the target's hidden states: this runner keeps none")
+            raise RuntimeError("the proposer reads the target's hidden states: this executor keeps none")
         return hidden[row]
 
     def _append_verified(self, seq: Sequence, v: Any) -> None:
@@ -448,10 +450,11 @@ class LLMEngine(EngineCore):
             "generation_tokens": self.num_generation_tokens,
             "steps": self.num_steps,
             **(self.spec.stats() if self.spec is not None else {}),
+            **self.executor.stats(),
         }
 
     def describe(self) -> dict[str, Any]:
-        return self.components.describe() if self.components is not None else {}
+        return {**(self.components.describe() if self.components is not None else {}), **self.executor.describe()}
 
     def kv_transfer(self) -> Any:
         return self.kv.connector
@@ -460,15 +463,17 @@ class LLMEngine(EngineCore):
         """Take no new request, end the running ones (``abort``), write what
         they computed to the KV connector and wait for its saves (at most
         ``timeout``; the rest are cancelled), stop its threads and the
-        KV-event publisher."""
+        KV-event publisher, and close the executor (its ranks)."""
         if self.closed:
             return
         self.closed = True
+        bound = time.monotonic() + timeout
         for rid in list(self.requests):
             self.abort_request(rid)
         if self.kv.connector is not None:
             self.kv.connector.close(timeout)
         self.kv.close()
+        self.executor.close(max(0.0, bound - time.monotonic()))
 
     @property
     def pool(self) -> Any:

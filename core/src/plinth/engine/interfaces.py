@@ -1,7 +1,8 @@
 """The two engine interfaces, as vLLM v1 splits them.
 
 ``EngineCore``: what steps requests, driven by one thread. ``LLMEngine`` (one
-process) and ``DistributedEngine`` (rank 0 over tp x dp ranks) are both one.
+scheduler over an ``Executor``: this process, or tp ranks) and
+``DataParallelEngine`` (one ``LLMEngine`` per dp group) are both one.
 
 ``EngineClient``: what the HTTP server and user code talk to: requests in,
 streams of outputs back, from any event loop. ``AsyncLLM`` is the one
@@ -41,6 +42,12 @@ class EngineError(PlinthError):
     itself keeps serving others."""
 
 
+class DeadRankError(PlinthError):
+    """A rank died, hung or failed: the engine cannot step again."""
+
+    fatal = True
+
+
 class EngineCore(ABC):
     """Requests in, one scheduled step at a time, outputs out. One thread
     drives it; nothing in it is shared with other threads."""
@@ -48,6 +55,8 @@ class EngineCore(ABC):
     tokenizer: Any
     model_config: Any
     max_model_len: int
+    #: what start-up chose (``startup.Components``: the ``ResolvedConfig``, the plugins, the step plan)
+    components: Any
 
     @abstractmethod
     def validate(self, prompt_token_ids: Sequence[int], params: Any) -> None:

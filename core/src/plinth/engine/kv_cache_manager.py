@@ -173,7 +173,7 @@ class KVCacheManager:
         """The one place page hashes are set: ``seq``'s full pages up to
         ``num_tokens`` tokens (only new pages are hashed)."""
         if len(seq.page_hashes) < num_tokens // self.page_size:
-            seq.page_hashes = hash_pages(seq.token_ids[:num_tokens], self.page_size, seed=self.hash_seed, start=seq.page_hashes)
+            seq.page_hashes = hash_pages(seq.token_ids[:num_tokens], self.page_size, hash_seed=self.hash_seed, start=seq.page_hashes)
         return seq.page_hashes
 
     def _group_hit(self, g: KVCacheGroup, hashes: Sequence[int], limit: int) -> int:

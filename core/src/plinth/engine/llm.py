@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any, Mapping, Sequence, cast
 
-from plinth.engine.config import AUTO, DEFAULT_DETERMINISTIC, EngineConfig
+from plinth.api import ResolvedConfig
+from plinth.engine.config import EngineConfig, default_of, iter_settings
 from plinth.engine.factory import build_engine
 from plinth.engine.interfaces import CLOSE_TIMEOUT_S, EngineCore
 from plinth.engine.outputs import RequestOutput
@@ -17,92 +19,34 @@ Prompt = str | Sequence[int]
 class LLM:
     """Load a model once, then generate for batches of prompts.
 
-    ``model=None`` means the default model (SmolLM2-135M-Instruct, GGUF).
+    ``LLM(model=None, *, registry=None, **settings)``: ``model=None`` means
+    the default model (SmolLM2-135M-Instruct, GGUF); ``settings`` are the
+    engine's settings by name (``page_size=32, tp=2``: every field of
+    ``plinth.engine.config``'s sections, the flags of ``platform serve``;
+    ``inspect.signature(LLM)`` lists them with their defaults), and
+    ``plugin_options`` (a dict) for plugins. A wrong name is a TypeError.
     Every prompt of a ``generate`` call is submitted at once, so they run
     with continuous batching. ``max_num_batched_tokens="auto"`` (the default)
     times the model at start-up to choose the step's token budget
-    (``self.engine.components.step_plan``); an integer skips that.
-    ``LLM`` is a context manager: leaving it calls ``close()``.
+    (``self.resolved.max_num_batched_tokens``); an integer skips that.
     ``deterministic=True``: batch-invariant ops, so each prompt's tokens do
-    not depend on what else runs with it (docs/serving.md); None (the
-    default): on where the chosen backend measured the mode within 5% of
-    its default ops on this kind of machine (the start-up log says which).
+    not depend on what else runs with it (docs/serving.md); unset: the
+    chosen backend's word (the start-up log says which).
+    ``LLM`` is a context manager: leaving it calls ``close()``; dropping
+    the last reference to it frees what ``close()`` frees (worker ranks too).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        device: str = "auto",
-        backend: str = "auto",
-        dtype: str = "auto",
-        dequantize: bool = False,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | str = AUTO,
-        enable_prefix_caching: bool = True,
-        tp: int = 1,
-        ep: int = 1,
-        a2a: str = "auto",
-        dp: int | None = None,
-        dist_timeout: float = 10.0,
-        nnodes: int = 1,
-        node_rank: int = 0,
-        master_addr: str | None = None,
-        master_port: int | None = None,
-        kv_connector: str | None = None,
-        kv_connector_config: Mapping[str, Any] | None = None,
-        kv_events_config: Mapping[str, Any] | None = None,
-        max_model_len: int | None = None,
-        kv_cache_memory: float | None = None,
-        gpu_memory_utilization: float = 0.9,
-        plugin_options: Mapping[str, Any] | None = None,
-        seed: int = 0,
-        registry: Any = None,
-        load_progress: bool = True,
-        speculative_method: str | None = None,
-        num_speculative_tokens: int | None = None,
-        speculative_model: str | None = None,
-        deterministic: bool | None = DEFAULT_DETERMINISTIC,
-    ) -> None:
-        self.config = EngineConfig(
-            model=model,
-            device=device,
-            backend=backend,
-            dtype=dtype,
-            dequantize=dequantize,
-            page_size=page_size,
-            num_pages=num_pages,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            tp=tp,
-            ep=ep,
-            a2a=a2a,
-            dp=dp,
-            dist_timeout=dist_timeout,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            kv_connector=kv_connector,
-            kv_connector_config=kv_connector_config,
-            kv_events_config=kv_events_config,
-            plugin_options=dict(plugin_options or {}),
-            seed=seed,
-            load_progress=load_progress,
-            speculative_method=speculative_method,
-            num_speculative_tokens=num_speculative_tokens,
-            speculative_model=speculative_model,
-            deterministic=deterministic,
-        )
-        #: the ``EngineCore`` (``LLMEngine``, or ``DistributedEngine`` with more than one rank)
+    def __init__(self, model: str | None = None, *, registry: Any = None, **settings: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **settings)
+        #: the ``EngineCore`` (``LLMEngine``, or ``DataParallelEngine`` with more than one dp group)
         self.engine: EngineCore = build_engine(self.config, registry)
         self._ids = itertools.count()
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        """What start-up settled: backend, dtype, deterministic mode, page
+        size and pages, the step's token budget, the a2a plugin, the layout."""
+        return self.engine.components.resolved
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Flush KV saves, stop the engine's threads and worker ranks (also
@@ -191,3 +135,21 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[r] for r in request_ids]
+
+
+def _signature() -> inspect.Signature:
+    """``LLM(model=None, *, registry=None, <every setting>=<its default>, plugin_options=None)``,
+    made from the settings' declarations."""
+    params = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation="str | None"),
+        inspect.Parameter("registry", inspect.Parameter.KEYWORD_ONLY, default=None),
+    ]
+    for _, f in iter_settings():
+        if f.name != "model":
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default_of(f), annotation=f.type))
+    params.append(inspect.Parameter("plugin_options", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Mapping[str, Any] | None"))
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

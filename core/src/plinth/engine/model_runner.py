@@ -37,6 +37,17 @@ def spec_groups(specs: Seq["KVCacheSpec | None"]) -> list[tuple["KVCacheSpec", t
     return sorted(((spec, tuple(layers)) for spec, layers in groups.items()), key=lambda g: forgets(g[0]))
 
 
+def kv_cache_groups(model: Any, num_pages: int | Seq[int], page_size: int, *, enable_caching: bool) -> list[KVCacheGroup]:
+    """The KV-cache groups of a model's layers (``spec_groups``), each over a
+    fresh pool of its pages (``num_pages``: of every group, or of each in
+    turn): what a KV-cache manager, or a runner's allocation, is built from."""
+    grouped = spec_groups(kv_cache_specs(model))
+    counts = [num_pages] * len(grouped) if isinstance(num_pages, int) else list(num_pages)
+    if len(counts) != len(grouped):
+        raise ValueError(f"{len(counts)} page counts for {len(grouped)} KV-cache groups")
+    return [make_group(spec, layers, n, page_size, enable_caching=enable_caching) for (spec, layers), n in zip(grouped, counts)]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -60,13 +71,8 @@ class ModelRunner:
         self.page_size = page_size
         specs = kv_cache_specs(model)
         grouped = spec_groups(specs)
-        counts = [num_pages] * len(grouped) if isinstance(num_pages, int) else list(num_pages)
-        if len(counts) != len(grouped):
-            raise ValueError(f"{len(counts)} page counts for {len(grouped)} KV-cache groups")
-        #: the KV-cache groups (give them to the KVCacheManager): their pools are this runner's pages
-        self.kv_groups: list[KVCacheGroup] = [
-            make_group(spec, layers, n, page_size, enable_caching=enable_caching) for (spec, layers), n in zip(grouped, counts)
-        ]
+        #: the KV-cache groups: their pools are this runner's pages (a KV-cache manager may draw from them)
+        self.kv_groups: list[KVCacheGroup] = kv_cache_groups(model, num_pages, page_size, enable_caching=enable_caching)
         self.layer_groups = [0] * len(specs)
         # the attention backend's layout; the engine only counts pages
         self.kv_caches: list[tuple[Any, Any] | None] = [None] * len(specs)

@@ -25,12 +25,13 @@ from plinth.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
+    tp: int
+    dp: int
+    ep: int
 
     @classmethod
-    def resolve(cls, tp: int = 1, dp: int | None = None, ep: int = 1) -> "ParallelLayout":
+    def resolve(cls, tp: int, dp: int | None, ep: int) -> "ParallelLayout":
+        """The layout of ``--tp``, ``--dp`` (None: from ep) and ``--ep``."""
         if tp < 1 or ep < 1 or (dp is not None and dp < 1):
             raise ConfigError("tp, dp and ep must be >= 1")
         if dp is None:
@@ -96,3 +97,18 @@ def init_groups(layout: ParallelLayout, rank: int, timeout: Any = None) -> Paral
             dp_group = group
     ep_group = dist.new_group(list(range(layout.world)), timeout=timeout) if layout.ep > 1 else None
     return ParallelGroups(layout, rank, dp_rank, tp_rank, tp_group, dp_group, ep_group)
+
+
+def warm_up_group(group: Any, device: Any) -> None:
+    """One collective on ``group`` with a tensor on ``device``: a backend
+    that forms its communicator lazily (NCCL without a bound device) forms it
+    now. A plugin that reuses the group's communicator (DeepEP V2 reads
+    ``_comm_ptr()``, 0 on a group that has none) finds one; every rank of
+    the group calls this together. The one place start-up warms a group, so
+    a test (or a fake library) can watch it."""
+    import torch
+    import torch.distributed as dist
+
+    if group is None:
+        return
+    dist.all_reduce(torch.zeros(1, device=device), group=group)

@@ -10,9 +10,7 @@ logprobs.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
 from typing import Sequence as Seq
 
 import torch
@@ -336,15 +334,3 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: Seq[int], k: int) -> list[To
     """Logprobs of each prompt token given the ones before it."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     return logprob_entries(lp, torch.tensor(list(next_ids), dtype=torch.long), [k] * len(next_ids))
-
-
-class SamplesOnItsRank(ABC):
-    """A runner whose logits stay on another rank (a dp group's): that rank
-    runs the step's SampleJob and sends back only the SampleResult."""
-
-    @abstractmethod
-    def execute_sampled(self, batch: Any, logit_rows: Seq[int], job: SampleJob) -> SampleResult: ...
-
-    @abstractmethod
-    def copy_pages(self, src: Seq[Seq[int]], dst: Seq[Seq[int]]) -> None:
-        """Copy pages src[g][i] -> dst[g][i] of KV-cache group g before the next forward."""

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from plinth.engine.config import AUTO, DEFAULT_MAX_NUM_BATCHED_TOKENS
+from plinth.engine.config import AUTO, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
 log = logging.getLogger("plinth.step_plan")
 
@@ -254,7 +254,7 @@ def decode_forward(runner: Any, kv: Any) -> Callable[[int], None]:
 
 
 def plan_step(
-    config: Any,
+    config: EngineConfig,
     *,
     runner: Any = None,
     kv: Any = None,
@@ -265,11 +265,10 @@ def plan_step(
 ) -> StepPlan:
     """The step plan of an engine: the explicit budget, or one measured with
     the loaded model (``forward`` overrides the probe, for tests)."""
-    given = config.max_num_batched_tokens
+    given = config.scheduler.max_num_batched_tokens
     if given != AUTO:
         return StepPlan(int(given), "explicit", "--max-num-batched-tokens")
-    k = (config.num_speculative_tokens or 4) if config.speculative_method else 0
-    decodes = config.max_num_seqs * (1 + k)
+    decodes = config.scheduler.max_num_seqs * (1 + config.speculative.k)
     if distributed:
         budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, decodes)
         return StepPlan(budget, "default", "not measured with more than one rank (every rank would run each probe)")

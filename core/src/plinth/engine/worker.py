@@ -1,6 +1,6 @@
 """A worker rank (every rank but 0): started as ``python -m
 plinth.engine.worker --rank R --local-rank L --port P`` with its pickled
-``EngineConfig`` on stdin (``distributed.WorkerProcess``), it starts as rank
+``EngineConfig`` on stdin (``launch.WorkerProcess``), it starts as rank
 0 does (``startup.start_process``), then runs each step rank 0 sends until it
 says stop. Its exit status says why it ended: 0 stopped by rank 0, 1 failed
 (a collective error or timeout: rank 0 died or hung, or a rank of its groups
@@ -17,24 +17,10 @@ import sys
 import torch
 
 from plinth.engine.config import EngineConfig
-from plinth.engine.distributed import (
-    OP_NOOP,
-    OP_STEP,
-    OP_STOP,
-    RankForward,
-    RankJoin,
-    check_supported,
-    control,
-    decode_job,
-    make_store,
-    part_from,
-    resolve_layout,
-    send_result,
-    spawn_workers,
-    stop_workers,
-    unpack_step,
-)
+from plinth.engine.launch import RankJoin, check_supported, make_store, resolve_layout, spawn_workers, stop_workers
+from plinth.engine.multiproc import RankForward
 from plinth.engine.startup import start_process
+from plinth.engine.wire import OP_NOOP, OP_STEP, OP_STOP, control, decode_job, part_from, send_result, unpack_step
 from plinth.errors import ConfigError
 from plinth.plugins import PluginRegistry
 
@@ -55,7 +41,7 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, port: int) -> 
     try:
         world = RankJoin(config, rank, local_rank, make_store(config, False, port), alive)
         started = start_process(config, PluginRegistry.discover(), world)
-        forward = RankForward(config, started)
+        forward = RankForward(started)
         layout, g = world.layout, world.groups
         assert g is not None
         header = torch.zeros(2, dtype=torch.long)
@@ -93,12 +79,13 @@ def run_node(config: EngineConfig) -> int:
     """A node other than 0 (``--node-rank k``): run its ranks until rank 0 stops them."""
     layout = resolve_layout(config)
     check_supported(config, layout)
-    if config.master_port is None:
+    p = config.parallel
+    if p.master_port is None:
         raise ConfigError("a node other than 0 needs --master-port (rank 0's)")
-    per_node = layout.world // config.nnodes
-    procs = spawn_workers(config, layout, config.node_rank, config.master_port)
+    per_node = layout.world // p.nnodes
+    procs = spawn_workers(config, layout, p.node_rank, p.master_port)
     try:
-        return worker_main(config, config.node_rank * per_node, 0, config.master_port)
+        return worker_main(config, p.node_rank * per_node, 0, p.master_port)
     finally:
         stop_workers(procs, kill=False, timeout=10)
 

@@ -16,12 +16,6 @@ from plinth.plugins import PluginRegistry
 
 log = logging.getLogger("plinth.server")
 
-#: the server's own options: kept out of the engine's plugin_options
-SERVER_OPTIONS = (
-    "host", "port", "api_key", "served_model_name", "enable_metrics", "vllm_metric_names", "max_request_body_size",
-    "max_waiting_requests", "uvicorn_log_level", "tool_call_parser", "reasoning_parser", "role", "shutdown_timeout",
-)  # fmt: skip
-
 #: --role -> the KV connector's kv_role (vLLM's names)
 ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -47,9 +41,6 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-request-body-size", type=int, default=16 << 20, metavar="BYTES", help="larger request bodies get 413 (default: 16 MiB)"
-    )
-    g.add_argument(
-        "--max-waiting-requests", type=int, default=4096, metavar="N", help="requests allowed to wait; beyond, 503 + Retry-After"
     )
     g.add_argument(
         "--role",
@@ -154,17 +145,13 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
 
     if args.max_request_body_size < 1:
         raise ConfigError("--max-request-body-size must be >= 1")
-    if args.max_waiting_requests < 1:
-        raise ConfigError("--max-waiting-requests must be >= 1")
     if not args.shutdown_timeout >= 0:
         raise ConfigError("--shutdown-timeout must be >= 0")
     kwargs = dict(engine_kwargs)
-    kwargs["plugin_options"] = {k: v for k, v in (kwargs.get("plugin_options") or {}).items() if k not in SERVER_OPTIONS}
-    kwargs["max_waiting_requests"] = args.max_waiting_requests
     if getattr(args, "role", None):
         kwargs["kv_connector_config"] = with_role(args.role, kwargs.get("kv_connector"), kwargs.get("kv_connector_config"))
     try:
-        config = EngineConfig(**kwargs)
+        config = EngineConfig.from_kwargs(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"invalid engine options: {exc}") from None
 
@@ -179,7 +166,7 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
         sock.close()
         raise
     try:
-        names = list(args.served_model_name or [default_model_name(config.model)])
+        names = list(args.served_model_name or [default_model_name(config.load.model)])
         settings = ServerSettings(
             served_model_names=names,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -13,10 +13,14 @@ import os
 from typing import Any
 
 from plinth.api import Accelerator, AcceleratorInfo, SelectionContext
+from plinth.engine.config import CacheConfig
 from plinth.errors import PluginError
 from plinth.plugins import PluginRegistry
 from plinth.testing._report import Report
 from plinth.testing.registration import discover_all
+
+#: the share of memory the kit asks a budget for: what an engine asks by default
+DEFAULT_UTILIZATION = CacheConfig().gpu_memory_utilization
 
 #: Comma-separated accelerator names that must be available (a GPU CI runner
 #: sets PLINTH_REQUIRE_ACCELERATORS=cuda): their device checks fail instead of
@@ -163,10 +167,10 @@ def _check_device(report: AcceleratorReport, cls: type[Accelerator]) -> None:
             "memory(0) is (free, total) bytes with 0 < free <= total",
             f"({free!r}, {total!r})",
         )
-        budget = acc.kv_cache_budget(free=free, total=total, weights=0)
+        budget = acc.kv_cache_budget(free=free, total=total, weights=0, utilization=DEFAULT_UTILIZATION)
         report.expect(
             isinstance(budget, int) and 0 < budget <= free,
-            "kv_cache_budget(free, total, weights=0) is bytes within what is free",
+            "kv_cache_budget(free, total, weights=0, utilization) is bytes within what is free",
             repr(budget),
         )
     except Exception as exc:

@@ -30,6 +30,7 @@ from packaging.utils import canonicalize_name
 from plinth.errors import PlinthError
 from plinth.plugins import PluginEntry, PluginRegistry, stub_methods
 from plinth.testing._report import ConformanceError, Report
+from plinth.testing.accelerator import DEFAULT_UTILIZATION
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 #: the order categories are checked and shown in
@@ -342,7 +343,7 @@ def _check_accelerator(section: Section, entry: PluginEntry, registry: PluginReg
     try:
         acc = entry.load()()
         free, total = acc.memory(0)
-        budget = acc.kv_cache_budget(free=free, total=total, weights=0)
+        budget = acc.kv_cache_budget(free=free, total=total, weights=0, utilization=DEFAULT_UTILIZATION)
         section.facts["memory"] = f"{_gib(free)} free of {_gib(total)}; KV pool by default {_gib(budget)} (no weights loaded)"
     except Exception as exc:  # the kit has the failure; the facts say what was seen
         section.facts["memory"] = f"memory(0) raised {type(exc).__name__}: {exc}"

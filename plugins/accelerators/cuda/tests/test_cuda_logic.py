@@ -149,6 +149,6 @@ def test_the_kv_budget_subtracts_the_profiled_peak_once(cuda_build: pytest.Monke
 
             return [FullAttentionSpec(8, 128)]
 
-    plan = kv_pool_pages(EngineConfig(page_size=16, max_num_seqs=1 << 20), acc, Model(), torch.bfloat16, max_model_len=1 << 20,
+    plan = kv_pool_pages(EngineConfig.from_kwargs(page_size=16, max_num_seqs=1 << 20), acc, Model(), torch.bfloat16, max_model_len=1 << 20,
                          activation_peak=peak)  # fmt: skip
     assert plan.budget == (80 << 30) - (20 << 30) - (10 << 30) - (1 << 28) - peak

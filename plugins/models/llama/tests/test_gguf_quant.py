@@ -125,7 +125,7 @@ def test_quantized_kernels_generate_like_the_dequantized_model():
     texts = {}
     for dequantize in (False, True):
         llm = LLM(backend="cpukernels", dtype="float32", dequantize=dequantize, load_progress=False, num_pages=64)
-        model = llm.engine.runner.model
+        model = llm.engine.executor.runner.model
         assert type(model.layers[0].qkv).__name__ == type(model.lm_head).__name__ == ("PackedLinear" if dequantize else "GGUFLinear")
         outputs = llm.generate(prompts, params)
         texts[dequantize] = [o.outputs[0].token_ids for o in outputs]

@@ -94,6 +94,11 @@ class CUDAAccelerator(Accelerator):
             raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but only {count} are visible")
         torch.cuda.set_device(local_rank)
 
+    def process_group_device(self, local_rank: int) -> Any:
+        # NCCL binds the group to this GPU: its communicator is made at init,
+        # not at the first collective (DeepEP's init_dist passes device_id too)
+        return self.device(local_rank)
+
     def synchronize(self) -> None:
         import torch
 
