@@ -38,6 +38,7 @@ from plinth.contract import (
     DESCRIPTOR_TYPES,
     IMPL_BASES,
     PLUGIN_API_VERSION,
+    Backend,
     PluginDescriptor,
     SelectionContext,
     descriptor_fields,
@@ -143,7 +144,7 @@ class PluginEntry:
         except Exception as exc:
             self.status, self.reasons = FAILED, [f"check() raised {type(exc).__name__}: {exc}"]
             return list(self.reasons)
-        stubs = stub_methods(impl)
+        stubs = implementation_stubs(impl, ctx, checked=not reasons)
         if stubs:  # a scaffold (`platform plugins new`) not filled in yet: never chosen
             reasons = [f"not implemented yet: {', '.join(stubs)} (only raise NotImplementedError)", *reasons]
         self.status, self.reasons = (UNAVAILABLE, reasons) if reasons else (OK, [])
@@ -181,6 +182,18 @@ def stub_methods(cls: type) -> list[str]:
             if inspect.isfunction(fn) and _only_raises_not_implemented(fn):
                 out.append(f"{cls.__name__}.{name}")
     return sorted(out)
+
+
+def implementation_stubs(impl: type, ctx: SelectionContext, *, checked: bool) -> list[str]:
+    """``stub_methods`` of a plugin's class and, once its check passed
+    (``checked``: the module may import what a failed check found missing),
+    of the class it names for ``ctx``: a backend's attention backend."""
+    stubs = stub_methods(impl)
+    if checked and issubclass(impl, Backend):
+        attention = impl.attention_backend(ctx)
+        if attention is not None:
+            stubs += stub_methods(attention)
+    return stubs
 
 
 @functools.cache

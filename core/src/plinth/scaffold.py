@@ -591,6 +591,306 @@ class TestReasoningParser(ReasoningParserConformance):
 '''
 
 
+# ---------------------------------------------------------------------------
+# backend (its compute ops and its paged attention)
+# ---------------------------------------------------------------------------
+
+BACKEND_PLUGIN = """\
+\"\"\"Entry point: registers the backend; imports nothing but plinth.api.\"\"\"
+
+from plinth.api import BackendDescriptor, hookimpl
+
+
+@hookimpl
+def plinth_register_backends() -> list[BackendDescriptor]:
+    return [
+        BackendDescriptor(
+            name="$name",
+            impl="$pkg.backend:${Cls}Backend",
+            # `--backend auto` tries the accelerator's preferred_backends first, then priority
+            priority=0,
+            api="$api",
+            description="$name kernels",
+        )
+    ]
+"""
+
+BACKEND_IMPL = """\
+\"\"\"The $name backend (`--backend $name`): compute ops and paged attention.
+
+An op it does not bring is the reference backend's (torch): bring only the
+ops your kernels make faster, and delete the others from `ops()` and this
+file. An op it has but cannot run in a context (a dtype, an instruction set)
+is declined in `unsupported_ops` with why. Each op must give the reference's
+numbers (the conformance kit compares them); its signature is the one in
+plinth.api.OP_SIGNATURES (checked at start-up).
+\"\"\"
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from plinth.api import AttentionBackend, Backend, QuantizedWeight, SelectionContext
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ${Cls}Backend(Backend):
+    @classmethod
+    def check(cls, ctx: SelectionContext) -> list[str]:
+        \"\"\"Why the whole backend cannot run in `ctx` (its library missing, the
+        accelerator's device type `ctx.accelerator.device_type`, the dtype), a
+        sentence a user can act on each. Cheap: no vendor library imported.\"\"\"
+        return []
+
+    @classmethod
+    def unsupported_ops(cls, ctx: SelectionContext) -> Mapping[str, str]:
+        \"\"\"Ops it has but cannot run for `ctx`, each with why; `ops()` leaves them out.\"\"\"
+        return {}
+
+    @classmethod
+    def attention_backend(cls, ctx: SelectionContext) -> type[AttentionBackend[Any]] | None:
+        \"\"\"Its paged attention (attention.py); return None to run the reference's.\"\"\"
+        from $pkg.attention import ${Cls}Attention
+
+        return ${Cls}Attention
+
+    def ops(self) -> Mapping[str, Callable[..., Any]]:
+        \"\"\"The ops it brings for `self.ctx` (less those `unsupported_ops` declines).\"\"\"
+        ops: dict[str, Callable[..., Any]] = {
+            "rms_norm": self.rms_norm,
+            "pack_linear": self.pack_linear,
+            "linear": self.linear,
+            "silu_and_mul": self.silu_and_mul,
+            "rotary": self.rotary,
+            "fused_moe": self.fused_moe,
+        }
+        declined = self.unsupported_ops(self.ctx)
+        return {name: op for name, op in ops.items() if name not in declined}
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None) -> Any:
+        \"\"\"x * rsqrt(mean(x^2) + eps) * weight, in float32 inside; with
+        `residual`: (norm(x + residual), x + residual).\"\"\"
+        raise NotImplementedError("${Cls}Backend.rms_norm(): not implemented yet (or delete it: the reference's runs)")
+
+    def pack_linear(self, weight: torch.Tensor | QuantizedWeight) -> Any:
+        \"\"\"A weight [out, in] (or a QuantizedWeight in a format `capabilities`
+        declares) once at load, into whatever `linear` takes.\"\"\"
+        raise NotImplementedError("${Cls}Backend.pack_linear(): not implemented yet (or delete it with linear)")
+
+    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+        \"\"\"x [T, in] @ W^T (+ bias) -> [T, out], W as `pack_linear` made it.\"\"\"
+        raise NotImplementedError("${Cls}Backend.linear(): not implemented yet (or delete it with pack_linear)")
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        \"\"\"x [T, 2N] -> silu(x[:, :N]) * x[:, N:].\"\"\"
+        raise NotImplementedError("${Cls}Backend.silu_and_mul(): not implemented yet (or delete it)")
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, is_neox: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        \"\"\"q [T, Hq, D], k [T, Hk, D] rotated at `positions` by the table
+        cos_sin [max_pos, rotary_dim] (cos halves then sin halves); neox: halves, else pairs.\"\"\"
+        raise NotImplementedError("${Cls}Backend.rotary(): not implemented yet (or delete it)")
+
+    def fused_moe(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        \"\"\"Per token, sum over its top-k of weight x w2[e] @ silu_and_mul(w13[e] @ x);
+        ids outside 0..E-1 (other ranks' experts) add nothing.\"\"\"
+        raise NotImplementedError("${Cls}Backend.fused_moe(): not implemented yet (or delete it)")
+"""
+
+BACKEND_ATTENTION = """\
+\"\"\"The $name paged attention: the KV page layout it reads, the plan it
+builds once per step from the engine's metadata, and the attention itself.
+Imported when the backend is chosen (or asked for its attention backend):
+import your kernels inside the methods, not at the top.\"\"\"
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from plinth.api import HEADS_FIRST, AttentionBackend, AttentionMetadata, AttentionPlan, PageSizes, SelectionContext
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ${Cls}Plan(AttentionPlan):
+    \"\"\"What `build_plan` makes of one step's metadata for your kernels
+    (int32 block tables, cumulative query lengths, ...): built once per step,
+    read by every layer as `meta.plan`.\"\"\"
+
+    num_tokens: int
+
+
+class ${Cls}Attention(AttentionBackend[${Cls}Plan]):
+    #: the order of a page tensor's dimensions (HEADS_FIRST: [heads, pages, page_size, dim]; or PAGES_FIRST)
+    layout = HEADS_FIRST
+    #: the page sizes your kernels take (PageSizes(minimum=16, power_of_two=True), ...)
+    page_sizes = PageSizes()
+    #: the page (compute) dtypes they take
+    dtypes = ("float32", "bfloat16")
+    plan_type = ${Cls}Plan
+
+    @classmethod
+    def problems(cls, ctx: SelectionContext) -> list[str]:
+        \"\"\"Why it declines `ctx`: the page size and dtype (the base checks
+        those), plus what your kernels lack (ctx.model.sliding_window,
+        attn_logit_softcap, deterministic mode ...).\"\"\"
+        return super().problems(ctx)
+
+    def build_plan(self, meta: AttentionMetadata) -> ${Cls}Plan:
+        \"\"\"This step's plan, from the host-side lengths (meta.query_lens_cpu,
+        meta.seq_lens_cpu) and the device tensors (block_tables, slot_mapping,
+        query_start_loc, seq_lens, positions); no device sync.\"\"\"
+        raise NotImplementedError("${Cls}Attention.build_plan(): not implemented yet (a ${Cls}Plan from meta)")
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, meta: AttentionMetadata, *,
+        scale: float, sliding_window: int | None = None, logit_cap: float | None = None,
+    ) -> torch.Tensor:
+        \"\"\"out [T, Hq, Dv]: write k, v [T, Hkv, D] into kv_cache (this layer's
+        (k_pages, v_pages), laid out as `layout`) at meta.slot_mapping, then
+        attend causally over each sequence's pages (self.plan(meta) is the step's plan).\"\"\"
+        raise NotImplementedError("${Cls}Attention.forward(): not implemented yet (write k and v, attend over the pages)")
+"""
+
+BACKEND_TEST = """\
+\"\"\"$name against the conformance kit: every op it brings and its attention
+against the reference backend's, on random inputs, on the chosen
+accelerator's device (`auto`: the best available).\"\"\"
+
+from plinth.testing import BackendConformance
+
+
+class TestConformance(BackendConformance):
+    name = "$name"
+    dtypes = ("float32", "bfloat16")  # the dtypes to compare in
+    page_sizes = (16, 7)  # the page sizes attention is checked at (those your kernels take)
+"""
+
+# ---------------------------------------------------------------------------
+# model (a model loader: the architectures it builds)
+# ---------------------------------------------------------------------------
+
+MODEL_PLUGIN = """\
+\"\"\"Entry point: registers the model loader; imports nothing but plinth.api.\"\"\"
+
+from plinth.api import ModelDescriptor, hookimpl
+
+
+@hookimpl
+def plinth_register_model_loaders() -> list[ModelDescriptor]:
+    return [
+        ModelDescriptor(
+            name="$name",
+            impl="$pkg.loader:${Cls}Loader",
+            priority=0,
+            api="$api",
+            description="$name models",
+            # config.json's "architectures" and GGUF's general.architecture it builds
+            architectures=("${Cls}ForCausalLM",),
+            gguf_architectures=(),
+        )
+    ]
+"""
+
+MODEL_LOADER = """\
+\"\"\"The $name model loader: the config, tokenizer and weights of a
+checkpoint into a model whose layers call the backend's ops.
+
+plinth.api.CheckpointLoader reads config.json (or GGUF metadata through
+`gguf_config`), the tokenizer and the special tokens; the modelling kit in
+plinth.api has rope tables (rope_from_hf, rope_tables), checkpoint name maps
+(NameMap, HF_DECODER_TOP, HF_DECODER_LAYER, sort_tensors), FP8 blocks and
+decoder scaffolding (decoder_shape_from_hf, LayerWeights, output_head).
+\"\"\"
+
+from __future__ import annotations
+
+from typing import Any
+
+from plinth.api import CheckpointLoader, LoadContext, ModelConfig, ModelSource
+
+
+class ${Cls}Loader(CheckpointLoader):
+    def load_config(self, source: ModelSource) -> ModelConfig:
+        \"\"\"The model's sizes: `self.model_config(source, cfg, architecture=...,
+        vocab_size=..., hidden_size=..., num_layers=..., num_heads=...,
+        num_kv_heads=..., head_dim=..., max_model_len=...)` with
+        `cfg = self.hf_config(source)` (decoder_shape_from_hf(cfg) reads a
+        Llama-like config).\"\"\"
+        raise NotImplementedError("${Cls}Loader.load_config(): not implemented yet (a ModelConfig from self.hf_config(source))")
+
+    def load_model(self, source: ModelSource, config: ModelConfig, ctx: LoadContext) -> Any:
+        \"\"\"A torch.nn.Module with forward, compute_logits, weight_bytes and
+        kv_cache_specs (model.py), its weights read (plinth.api.iter_safetensors
+        or GGUFFile) onto ctx.device in ctx.dtype, each linear weight packed
+        once with ctx.ops.pack_linear.\"\"\"
+        raise NotImplementedError("${Cls}Loader.load_model(): not implemented yet (build ${Cls}Model, load its weights)")
+"""
+
+MODEL_MODULE = """\
+\"\"\"The $name model: what `${Cls}Loader.load_model` builds. Layers call only
+the backend's ops (ctx.ops: rms_norm, linear, silu_and_mul, rotary) and its
+attention (ctx.attention.forward) over their pages.\"\"\"
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from plinth.api import AttentionMetadata, KVCacheSpec, LoadContext, ModelConfig
+
+
+class ${Cls}Model(torch.nn.Module):
+    def __init__(self, config: ModelConfig, ctx: LoadContext) -> None:
+        super().__init__()
+        self.config, self.ctx = config, ctx
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: AttentionMetadata) -> torch.Tensor:
+        \"\"\"input_ids [T], positions [T] -> hidden [T, hidden_size]; layer i
+        attends with self.ctx.attention over kv_caches[i] and meta.for_layer(i).\"\"\"
+        raise NotImplementedError("${Cls}Model.forward(): not implemented yet")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        \"\"\"hidden [N, hidden_size] -> logits [N, vocab] in float32.\"\"\"
+        raise NotImplementedError("${Cls}Model.compute_logits(): not implemented yet")
+
+    def weight_bytes(self, *, per_token: bool = False) -> int:
+        \"\"\"Bytes its weights take on the device (each shared tensor once); per_token: what one decode step reads.\"\"\"
+        raise NotImplementedError("${Cls}Model.weight_bytes(): not implemented yet")
+
+    def kv_cache_specs(self) -> list[KVCacheSpec | None]:
+        \"\"\"Per layer, what it caches on this rank (FullAttentionSpec(...),
+        SlidingWindowSpec(...)) or None: the core sizes and groups the pages from these.\"\"\"
+        raise NotImplementedError("${Cls}Model.kv_cache_specs(): not implemented yet")
+"""
+
+MODEL_TEST = """\
+\"\"\"$name against the conformance kit: a model built from a small
+checkpoint computes through the paged KV cache (chunked prefill and decode
+give the logits of one whole prefill).\"\"\"
+
+from plinth.testing import ModelLoaderConformance
+
+
+class TestConformance(ModelLoaderConformance):
+    name = "$name"
+    tokenizer = False  # True once model_path() has tokenizer files
+
+    def model_path(self) -> str:
+        \"\"\"A small checkpoint (a folder with config.json and safetensors) of an
+        architecture the descriptor names: for one transformers knows,
+        plinth.testing.save_random_model(config, folder, seed=0) writes one.\"\"\"
+        raise NotImplementedError("model_path(): not implemented yet (return a small ${Cls}ForCausalLM checkpoint)")
+"""
+
 KINDS: dict[str, Kind] = {
     "accelerator": Kind(
         "accelerator", "an accelerator plugin (a device platform, `--device`)", "accelerator", True,
@@ -598,6 +898,21 @@ KINDS: dict[str, Kind] = {
          "`check()`: the reasons it cannot run here (it says none yet)", "`device_type` and `dist_backend`"),
         {"src/$pkg/plugin.py": ACCELERATOR_PLUGIN, "src/$pkg/accelerator.py": ACCELERATOR_IMPL,
          "tests/test_conformance.py": ACCELERATOR_TEST},
+    ),
+    "backend": Kind(
+        "backend", "a backend plugin (compute ops and paged attention, `--backend`)", "backend", True,
+        ("the ops in src/$pkg/backend.py you bring, e.g. `${Cls}Backend.rms_norm()`; delete the others (the reference's run)",
+         "`${Cls}Attention.build_plan()` in src/$pkg/attention.py", "`${Cls}Attention.forward()`, or return None from "
+         "`attention_backend()` to run the reference's attention"),
+        {"src/$pkg/plugin.py": BACKEND_PLUGIN, "src/$pkg/backend.py": BACKEND_IMPL, "src/$pkg/attention.py": BACKEND_ATTENTION,
+         "tests/test_conformance.py": BACKEND_TEST},
+    ),
+    "model": Kind(
+        "model", "a model plugin (a loader for the architectures it names)", "loader", True,
+        ("`${Cls}Loader.load_config()` in src/$pkg/loader.py", "`${Cls}Loader.load_model()`",
+         "`${Cls}Model`'s methods in src/$pkg/model.py", "`model_path()` in tests/test_conformance.py"),
+        {"src/$pkg/plugin.py": MODEL_PLUGIN, "src/$pkg/loader.py": MODEL_LOADER, "src/$pkg/model.py": MODEL_MODULE,
+         "tests/test_conformance.py": MODEL_TEST},
     ),
     "a2a": Kind(
         "a2a", "an MoE all-to-all plugin (`--a2a`)", "a2a", True,

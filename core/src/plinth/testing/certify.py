@@ -28,7 +28,7 @@ from typing import Any
 from packaging.utils import canonicalize_name
 
 from plinth.errors import PlinthError
-from plinth.plugins import PluginEntry, PluginRegistry, stub_methods
+from plinth.plugins import PluginEntry, PluginRegistry, implementation_stubs
 from plinth.testing._report import ConformanceError, Report
 from plinth.testing.accelerator import DEFAULT_UTILIZATION
 
@@ -284,9 +284,12 @@ def certify(
 
 
 def _stubs(entry: PluginEntry) -> list[str]:
+    from plinth.api import SelectionContext
+
     try:
-        return stub_methods(entry.load())
-    except PlinthError:  # it does not load: the registration section says why
+        impl = entry.load()
+        return implementation_stubs(impl, SelectionContext(), checked=not impl.check(SelectionContext()))
+    except Exception:  # it does not load, or its check raises: the registration section says why
         return []
 
 

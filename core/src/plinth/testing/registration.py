@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name
 from plinth.contract import DESCRIPTOR_TYPES, IMPL_BASES, PLUGIN_API_VERSION, SelectionContext
 from plinth.errors import PluginError
 from plinth.hookspecs import ENTRY_POINT_GROUP
-from plinth.plugins import FAILED, INCOMPATIBLE, PluginEntry, PluginRegistry, stub_methods
+from plinth.plugins import FAILED, INCOMPATIBLE, PluginEntry, PluginRegistry, implementation_stubs
 from plinth.testing._report import Report
 
 #: Top-level modules an entry-point module (and the registration hooks it
@@ -186,12 +186,6 @@ def _check_entry(report: Report, registry: PluginRegistry, entry: PluginEntry) -
         return
     base = IMPL_BASES[entry.category]
     report.ok(f"{label}: impl {d.impl} imports and subclasses plinth.api.{base.__name__}")
-    stubs = stub_methods(impl)
-    report.expect(
-        not stubs,
-        f"{label}: every method it defines is implemented",
-        f"not implemented yet: {', '.join(stubs)} (only raise NotImplementedError)",
-    )
     try:
         reasons = impl.check(SelectionContext())
     except Exception as exc:
@@ -201,6 +195,16 @@ def _check_entry(report: Report, registry: PluginRegistry, entry: PluginEntry) -
         isinstance(reasons, (list, tuple)) and all(isinstance(r, str) and r.strip() for r in reasons),
         f"{label}: check() returns a list of reasons (strings)",
         f"returned {reasons!r}",
+    )
+    try:
+        stubs = implementation_stubs(impl, SelectionContext(), checked=not reasons)
+    except Exception as exc:
+        report.problem(f"{label}: naming its classes raised {type(exc).__name__}: {exc}")
+        return
+    report.expect(
+        not stubs,
+        f"{label}: every method it defines is implemented",
+        f"not implemented yet: {', '.join(stubs)} (only raise NotImplementedError)",
     )
 
 
