@@ -1,0 +1,1 @@
+"""plinth-plugin-numpyops: a plinth backend plugin."""
