@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "plugins"
 #: what the fresh environment holds besides plinth-core and the examples
 SERVING = [ROOT / "plugins" / "backends" / "torch", ROOT / "plugins" / "models" / "llama"]
-EXAMPLE_DISTS = {"plinth-plugin-mychip": EXAMPLES / "mychip"}
+EXAMPLE_DISTS = {"plinth-plugin-mychip": EXAMPLES / "mychip", "plinth-plugin-numpyops": EXAMPLES / "numpyops"}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three facts about the moon:"]
 NEW_TOKENS = 16
 
@@ -50,6 +50,9 @@ def test_only_core_the_examples_and_what_serving_needs_are_installed(venv: Isola
     rows = {(r["category"], r["name"]): r for r in doc["plugins"]}
     assert rows[("accelerator", "mychip")]["status"] == "ok", rows[("accelerator", "mychip")]
     assert doc["auto"]["accelerator"] == "mychip"  # the only accelerator here
+    numpyops = rows[("backend", "numpyops")]  # judged on mychip: every op declined in bfloat16, with why
+    assert numpyops["status"] == "ok" and set(numpyops["unsupported_ops"]) == {"bfloat16"}, numpyops
+    assert set(numpyops["unsupported_ops"]["bfloat16"]) == {"rms_norm", "pack_linear", "linear", "silu_and_mul"}
 
 
 @pytest.mark.parametrize("distribution", sorted(EXAMPLE_DISTS))
@@ -61,6 +64,10 @@ def test_each_example_passes_platform_plugins_check(venv: IsolatedEnv, distribut
     assert doc["machine"]["accelerator"].startswith("mychip (plinth-plugin-mychip")
     skipped = [c["check"] for s in doc["sections"] for c in s["checks"] if c["status"] == "skip"]
     assert not skipped, skipped  # everything runs here: the examples need no hardware
+    if distribution == "plinth-plugin-numpyops":
+        backend = next(s for s in doc["sections"] if s["title"] == "backend numpyops")
+        assert backend["facts"] == {"declines in float32": "nothing"}
+        assert "float32: provides linear, pack_linear, rms_norm, silu_and_mul" in [c["check"] for c in backend["checks"]]
     text = venv.platform("plugins", "check", distribution).stdout
     assert "result      PASS" in text and f"# plinth conformance report: {distribution} " in text
 
@@ -91,7 +98,8 @@ def test_serves_the_default_model_with_the_reference_greedy_tokens(venv: Isolate
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     got = [r.json() for r in responses]
     served_log = (tmp_path / "serve.log").read_text()
-    assert "accelerator: using mychip" in served_log or "auto chose mychip" in served_log, served_log[-3000:]
+    assert "accelerator: using mychip" in served_log, served_log[-3000:]
+    assert "backend: auto chose numpyops" in served_log, served_log[-3000:]  # mychip prefers it
     for body, ids in zip(got, want):
         assert body["usage"]["completion_tokens"] == len(ids) == NEW_TOKENS
         assert body["choices"][0]["text"] == tok.decode(ids, skip_special_tokens=True)

@@ -266,7 +266,7 @@ def check_backend(
         ref_attention, _ = resolve_attention(registry, references[0], ctx, ref)
         mine = sorted(op for op, src in sources.items() if src == name)
         brings_attention = attention_source == name and entry is not references[0]
-        report.ok(f"{dtype_name}: provides {', '.join(mine + (['attention'] if brings_attention else []))}")
+        report.ok(f"{dtype_name}: provides {', '.join(mine + (['attention'] if brings_attention else [])) or 'no op (the reference serves all)'}")
         _check_unsupported(report, entry.load(), ctx, set(mine), dtype_name)
         tol = TOLERANCE.get(dtype_name, 1e-2)
         _check_ops(report, ops, ref, set(mine), dtype, device, tol)
