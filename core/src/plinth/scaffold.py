@@ -25,6 +25,20 @@ NAME_RE = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 
 
 @dataclass(frozen=True)
+class Registration:
+    """One descriptor a scaffold's entry point registers."""
+
+    hook: str  # plinth_register_accelerators
+    descriptor: str  # AcceleratorDescriptor
+    impl: str  # the class in the implementation module (templated)
+    description: str
+    #: the descriptor's priority line, with why (``auto``'s order)
+    priority: str = "priority=0,"
+    #: the category's own fields, one per line
+    fields: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Kind:
     """One category ``platform plugins new`` knows."""
 
@@ -34,7 +48,24 @@ class Kind:
     torch: bool  # the implementation computes with torch (a dependency)
     #: the methods a new plugin must write, for the README
     todo: tuple[str, ...]
-    files: dict[str, str]  # path (templated) -> template
+    registrations: tuple[Registration, ...]
+    files: dict[str, str]  # path (templated) -> template, besides plugin.py
+
+
+def entry_point(kind: Kind) -> str:
+    """plugin.py's template: the registration hooks and their descriptors."""
+    out = [
+        '"""Entry point: registers what the plugin provides. Every `platform` command imports this on\n'
+        "every machine, so it imports nothing but plinth.api (no torch, no vendor library); the\n"
+        'implementation is named lazily in `impl`."""\n',
+        f"from plinth.api import {', '.join(sorted({r.descriptor for r in kind.registrations}))}, hookimpl\n",
+    ]
+    for r in kind.registrations:
+        lines = ['name="$name",', f'impl="$pkg.{kind.module}:{r.impl}",', *r.priority.splitlines(), 'api="$api",',
+                 f'description="{r.description}",', *r.fields]  # fmt: skip
+        body = "\n".join(" " * 12 + line for line in lines)
+        out.append(f"\n@hookimpl\ndef {r.hook}() -> list[{r.descriptor}]:\n    return [\n        {r.descriptor}(\n{body}\n        )\n    ]\n")
+    return "\n".join(out)
 
 
 def api_range(version: str) -> str:
@@ -89,7 +120,7 @@ def generate(category: str, name: str, dest: str | Path | None = None) -> list[P
         "deps": ", ".join(f'"{d}"' for d in [core_requirement(__version__), *(["torch>=2.4"] if kind.torch else [])]),
     }
     values["todo"] = "\n".join(f"* {Template(t).substitute(values)}" for t in kind.todo)
-    files = {**COMMON, **kind.files}
+    files = {**COMMON, "src/$pkg/plugin.py": entry_point(kind), **kind.files}
     written = []
     for path, text in files.items():
         target = root / Template(path).substitute(values)
@@ -172,28 +203,6 @@ COMMON = {
 # accelerator
 # ---------------------------------------------------------------------------
 
-ACCELERATOR_PLUGIN = '''\
-"""Entry point: registers the accelerator. Every `platform` command imports
-this on every machine, so it imports nothing but plinth.api (no torch, no
-vendor runtime); the implementation is named lazily in `impl`."""
-
-from plinth.api import AcceleratorDescriptor, hookimpl
-
-
-@hookimpl
-def plinth_register_accelerators() -> list[AcceleratorDescriptor]:
-    return [
-        AcceleratorDescriptor(
-            name="$name",
-            impl="$pkg.accelerator:${Cls}Accelerator",
-            # `--device auto` takes the highest priority that can run: cuda 100, ascend 90, tpu 80, xpu 70, cpu 0
-            priority=50,
-            api="$api",
-            description="$name devices",
-        )
-    ]
-'''
-
 ACCELERATOR_IMPL = '''\
 """The $name accelerator: a device platform for plinth (`--device $name`).
 
@@ -259,25 +268,6 @@ class TestConformance(AcceleratorConformance):
 # ---------------------------------------------------------------------------
 # a2a
 # ---------------------------------------------------------------------------
-
-A2A_PLUGIN = '''\
-"""Entry point: registers the MoE all-to-all; imports nothing but plinth.api."""
-
-from plinth.api import A2ADescriptor, hookimpl
-
-
-@hookimpl
-def plinth_register_a2a() -> list[A2ADescriptor]:
-    return [
-        A2ADescriptor(
-            name="$name",
-            impl="$pkg.a2a:${Cls}AllToAll",
-            priority=0,
-            api="$api",
-            description="$name MoE all-to-all",
-        )
-    ]
-'''
 
 A2A_IMPL = '''\
 """The $name MoE all-to-all (`--a2a $name`): dispatch tokens to the ranks
@@ -349,25 +339,6 @@ class TestConformance(A2AConformance):
 # kv_connector
 # ---------------------------------------------------------------------------
 
-KV_PLUGIN = '''\
-"""Entry point: registers the KV connector; imports nothing but plinth.api."""
-
-from plinth.api import KVConnectorDescriptor, hookimpl
-
-
-@hookimpl
-def plinth_register_kv_connectors() -> list[KVConnectorDescriptor]:
-    return [
-        KVConnectorDescriptor(
-            name="$name",
-            impl="$pkg.connector:${Cls}Connector",
-            priority=0,
-            api="$api",
-            description="KV pages in the $name store",
-        )
-    ]
-'''
-
 KV_IMPL = '''\
 """The $name KV connector (`--kv-connector $name`): plain blocking calls on
 bytes. The core runs them on its own threads under a deadline, builds the
@@ -434,25 +405,6 @@ class TestConformance(KVConnectorConformance):
 # proposer
 # ---------------------------------------------------------------------------
 
-PROPOSER_PLUGIN = '''\
-"""Entry point: registers the speculative proposer; imports nothing but plinth.api."""
-
-from plinth.api import ProposerDescriptor, hookimpl
-
-
-@hookimpl
-def plinth_register_proposers() -> list[ProposerDescriptor]:
-    return [
-        ProposerDescriptor(
-            name="$name",
-            impl="$pkg.proposer:${Cls}Proposer",
-            priority=0,
-            api="$api",
-            description="$name speculative proposals",
-        )
-    ]
-'''
-
 PROPOSER_IMPL = '''\
 """The $name proposer (`--speculative-method $name`): up to k tokens per
 sequence and step, which the target model verifies in one forward. It
@@ -499,41 +451,6 @@ class TestConformance(ProposerConformance):
 # ---------------------------------------------------------------------------
 # parser (a tool-call parser and a reasoning parser: a model family's formats)
 # ---------------------------------------------------------------------------
-
-PARSER_PLUGIN = '''\
-"""Entry point: registers the tool-call and reasoning parsers; imports nothing but plinth.api."""
-
-from plinth.api import ReasoningParserDescriptor, ToolParserDescriptor, hookimpl
-
-
-@hookimpl
-def plinth_register_tool_parsers() -> list[ToolParserDescriptor]:
-    return [
-        ToolParserDescriptor(
-            name="$name",
-            impl="$pkg.parsers:${Cls}ToolParser",
-            priority=0,
-            api="$api",
-            description="$name tool calls",
-            # strings whose presence in a chat template picks this parser under `auto`
-            template_markers=(),
-        )
-    ]
-
-
-@hookimpl
-def plinth_register_reasoning_parsers() -> list[ReasoningParserDescriptor]:
-    return [
-        ReasoningParserDescriptor(
-            name="$name",
-            impl="$pkg.parsers:${Cls}ReasoningParser",
-            priority=0,
-            api="$api",
-            description="$name reasoning",
-            template_markers=(),
-        )
-    ]
-'''
 
 PARSER_IMPL = '''\
 """The $name parsers (`--tool-call-parser $name`, `--reasoning-parser $name`):
@@ -594,26 +511,6 @@ class TestReasoningParser(ReasoningParserConformance):
 # ---------------------------------------------------------------------------
 # backend (its compute ops and its paged attention)
 # ---------------------------------------------------------------------------
-
-BACKEND_PLUGIN = """\
-\"\"\"Entry point: registers the backend; imports nothing but plinth.api.\"\"\"
-
-from plinth.api import BackendDescriptor, hookimpl
-
-
-@hookimpl
-def plinth_register_backends() -> list[BackendDescriptor]:
-    return [
-        BackendDescriptor(
-            name="$name",
-            impl="$pkg.backend:${Cls}Backend",
-            # `--backend auto` tries the accelerator's preferred_backends first, then priority
-            priority=0,
-            api="$api",
-            description="$name kernels",
-        )
-    ]
-"""
 
 BACKEND_IMPL = """\
 \"\"\"The $name backend (`--backend $name`): compute ops and paged attention.
@@ -778,28 +675,6 @@ class TestConformance(BackendConformance):
 # model (a model loader: the architectures it builds)
 # ---------------------------------------------------------------------------
 
-MODEL_PLUGIN = """\
-\"\"\"Entry point: registers the model loader; imports nothing but plinth.api.\"\"\"
-
-from plinth.api import ModelDescriptor, hookimpl
-
-
-@hookimpl
-def plinth_register_model_loaders() -> list[ModelDescriptor]:
-    return [
-        ModelDescriptor(
-            name="$name",
-            impl="$pkg.loader:${Cls}Loader",
-            priority=0,
-            api="$api",
-            description="$name models",
-            # config.json's "architectures" and GGUF's general.architecture it builds
-            architectures=("${Cls}ForCausalLM",),
-            gguf_architectures=(),
-        )
-    ]
-"""
-
 MODEL_LOADER = """\
 \"\"\"The $name model loader: the config, tokenizer and weights of a
 checkpoint into a model whose layers call the backend's ops.
@@ -896,43 +771,67 @@ KINDS: dict[str, Kind] = {
         "accelerator", "an accelerator plugin (a device platform, `--device`)", "accelerator", True,
         ("`${Cls}Accelerator.info()` in src/$pkg/accelerator.py", "`${Cls}Accelerator.memory()`",
          "`check()`: the reasons it cannot run here (it says none yet)", "`device_type` and `dist_backend`"),
-        {"src/$pkg/plugin.py": ACCELERATOR_PLUGIN, "src/$pkg/accelerator.py": ACCELERATOR_IMPL,
-         "tests/test_conformance.py": ACCELERATOR_TEST},
+        (Registration(
+            "plinth_register_accelerators", "AcceleratorDescriptor", "${Cls}Accelerator", "$name devices",
+            "# `--device auto` takes the highest priority that can run: cuda 100, ascend 90, tpu 80, xpu 70, cpu 0\n"
+            "priority=50,",
+        ),),
+        {"src/$pkg/accelerator.py": ACCELERATOR_IMPL, "tests/test_conformance.py": ACCELERATOR_TEST},
     ),
     "backend": Kind(
         "backend", "a backend plugin (compute ops and paged attention, `--backend`)", "backend", True,
         ("the ops in src/$pkg/backend.py you bring, e.g. `${Cls}Backend.rms_norm()`; delete the others (the reference's run)",
          "`${Cls}Attention.build_plan()` in src/$pkg/attention.py", "`${Cls}Attention.forward()`, or return None from "
          "`attention_backend()` to run the reference's attention"),
-        {"src/$pkg/plugin.py": BACKEND_PLUGIN, "src/$pkg/backend.py": BACKEND_IMPL, "src/$pkg/attention.py": BACKEND_ATTENTION,
-         "tests/test_conformance.py": BACKEND_TEST},
+        (Registration(
+            "plinth_register_backends", "BackendDescriptor", "${Cls}Backend", "$name kernels",
+            "# `--backend auto` tries the accelerator's preferred_backends first, then priority\npriority=0,",
+        ),),
+        {"src/$pkg/backend.py": BACKEND_IMPL, "src/$pkg/attention.py": BACKEND_ATTENTION, "tests/test_conformance.py": BACKEND_TEST},
     ),
     "model": Kind(
         "model", "a model plugin (a loader for the architectures it names)", "loader", True,
         ("`${Cls}Loader.load_config()` in src/$pkg/loader.py", "`${Cls}Loader.load_model()`",
          "`${Cls}Model`'s methods in src/$pkg/model.py", "`model_path()` in tests/test_conformance.py"),
-        {"src/$pkg/plugin.py": MODEL_PLUGIN, "src/$pkg/loader.py": MODEL_LOADER, "src/$pkg/model.py": MODEL_MODULE,
-         "tests/test_conformance.py": MODEL_TEST},
+        (Registration(
+            "plinth_register_model_loaders", "ModelDescriptor", "${Cls}Loader", "$name models",
+            fields=("# config.json's \"architectures\" and GGUF's general.architecture it builds",
+                    'architectures=("${Cls}ForCausalLM",),', "gguf_architectures=(),"),
+        ),),
+        {"src/$pkg/loader.py": MODEL_LOADER, "src/$pkg/model.py": MODEL_MODULE, "tests/test_conformance.py": MODEL_TEST},
     ),
     "a2a": Kind(
         "a2a", "an MoE all-to-all plugin (`--a2a`)", "a2a", True,
         ("`${Cls}AllToAll.dispatch()` in src/$pkg/a2a.py", "`${Cls}AllToAll.combine()`"),
-        {"src/$pkg/plugin.py": A2A_PLUGIN, "src/$pkg/a2a.py": A2A_IMPL, "tests/test_conformance.py": A2A_TEST},
+        (Registration("plinth_register_a2a", "A2ADescriptor", "${Cls}AllToAll", "$name MoE all-to-all"),),
+        {"src/$pkg/a2a.py": A2A_IMPL, "tests/test_conformance.py": A2A_TEST},
     ),
     "kv_connector": Kind(
         "kv_connector", "a KV connector plugin (`--kv-connector`)", "connector", True,
         ("`${Cls}Connector.lookup()` in src/$pkg/connector.py", "`${Cls}Connector.load()`", "`${Cls}Connector.save()`"),
-        {"src/$pkg/plugin.py": KV_PLUGIN, "src/$pkg/connector.py": KV_IMPL, "tests/test_conformance.py": KV_TEST},
+        (Registration("plinth_register_kv_connectors", "KVConnectorDescriptor", "${Cls}Connector", "KV pages in the $name store"),),
+        {"src/$pkg/connector.py": KV_IMPL, "tests/test_conformance.py": KV_TEST},
     ),
     "proposer": Kind(
         "proposer", "a speculative-decoding proposer plugin (`--speculative-method`)", "proposer", False,
         ("`${Cls}Proposer.propose()` in src/$pkg/proposer.py",),
-        {"src/$pkg/plugin.py": PROPOSER_PLUGIN, "src/$pkg/proposer.py": PROPOSER_IMPL, "tests/test_conformance.py": PROPOSER_TEST},
+        (Registration("plinth_register_proposers", "ProposerDescriptor", "${Cls}Proposer", "$name speculative proposals"),),
+        {"src/$pkg/proposer.py": PROPOSER_IMPL, "tests/test_conformance.py": PROPOSER_TEST},
     ),
     "parser": Kind(
         "parser", "tool-call and reasoning parsers (`--tool-call-parser`, `--reasoning-parser`)", "parsers", False,
         ("`${Cls}ToolParser.parse()` in src/$pkg/parsers.py, and its `examples`",
          "`${Cls}ReasoningParser.parse()`, and its `examples`"),
-        {"src/$pkg/plugin.py": PARSER_PLUGIN, "src/$pkg/parsers.py": PARSER_IMPL, "tests/test_conformance.py": PARSER_TEST},
+        (
+            Registration(
+                "plinth_register_tool_parsers", "ToolParserDescriptor", "${Cls}ToolParser", "$name tool calls",
+                fields=("# strings whose presence in a chat template picks this parser under `auto`", "template_markers=(),"),
+            ),
+            Registration(
+                "plinth_register_reasoning_parsers", "ReasoningParserDescriptor", "${Cls}ReasoningParser", "$name reasoning",
+                fields=("template_markers=(),",),
+            ),
+        ),
+        {"src/$pkg/parsers.py": PARSER_IMPL, "tests/test_conformance.py": PARSER_TEST},
     ),
-}
+}  # fmt: skip
