@@ -75,7 +75,7 @@ CASES = [
     # empty messages
     ("empty-messages-chat", CHAT, chat(messages=[]), 400, None, "messages"),
     ("empty-messages-messages", MSG, msg(messages=[]), 400, None, None),
-    ("only-system-messages", MSG, msg(messages=[{"role": "system", "content": "x"}]), 400, None, None),
+    # a conversation of system text alone is a prompt (as the document allows): see test_server_api
     # unknown role
     ("role-chat", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, None, "messages.0.role"),
     ("role-messages", MSG, msg(messages=[{"role": "wizard", "content": "hi"}]), 400, None, None),
@@ -99,7 +99,7 @@ CASES = [
     ("schema-type", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}), 400, "invalid_json_schema", "response_format.json_schema.schema"),
     ("schema-not-object", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}), 400, "invalid_json_schema", None),
     ("schema-bad-ref", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}), 400, None, "response_format"),
-    ("schema-guided-json", CMPL, cmpl(guided_json="{not json"), 400, "invalid_json_schema", "guided_json"),
+    ("schema-guided-json", CMPL, cmpl(guided_json="{not json"), 400, "invalid_type", "guided_json"),  # a schema object, not JSON text
     ("schema-messages", MSG, msg(output_config={"format": {"type": "json_schema", "schema": {"type": 5}}}), 400, None, None),
     ("response-format-type", CHAT, chat(response_format={"type": "yaml"}), 400, None, "response_format.type"),
     # invalid structural tag

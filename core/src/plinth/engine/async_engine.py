@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from plinth.engine.config import EngineConfig, SchedulerConfig
 from plinth.engine.factory import build_engine
@@ -33,14 +33,24 @@ from plinth.engine.interfaces import (
     EngineDraining,
     EngineError,
     EngineOverloaded,
+    KVTransferView,
 )
 from plinth.engine.outputs import DeltaCursor, RequestOutput, coalesce
 from plinth.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from plinth.contract.model import ModelConfig
+    from plinth.plugins import PluginRegistry
+    from plinth.tokenizer import Tokenizer
+
 log = logging.getLogger("plinth.engine")
 
 
-def _put_all(batch: Sequence[tuple[str, asyncio.Queue, Any]]) -> None:
+#: what a request's stream receives: an output (with its deltas), or the error that ended it
+Delivery = RequestOutput | BaseException
+
+
+def _put_all(batch: Sequence[tuple[str, asyncio.Queue[Delivery], Delivery]]) -> None:
     for _, q, item in batch:
         q.put_nowait(item)
 
@@ -48,7 +58,7 @@ def _put_all(batch: Sequence[tuple[str, asyncio.Queue, Any]]) -> None:
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[Delivery]
 
 
 class AsyncLLM(EngineClient):
@@ -86,18 +96,24 @@ class AsyncLLM(EngineClient):
             self._thread.join()
             raise self._startup_error
 
+    def __enter__(self) -> AsyncLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @classmethod
-    def from_config(cls, config: EngineConfig, registry: Any = None) -> "AsyncLLM":
+    def from_config(cls, config: EngineConfig, registry: PluginRegistry | None = None) -> "AsyncLLM":
         return cls(lambda: build_engine(config, registry), max_waiting_requests=config.scheduler.max_waiting_requests)
 
     # ---- EngineClient -----------------------------------------------------------
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property
-    def model_config(self) -> Any:
+    def model_config(self) -> ModelConfig:
         return self.engine.model_config
 
     @property
@@ -113,7 +129,7 @@ class AsyncLLM(EngineClient):
     def describe(self) -> dict[str, Any]:
         return {**self.engine.describe(), "max_model_len": self.engine.max_model_len}
 
-    def kv_transfer(self) -> Any:
+    def kv_transfer(self) -> KVTransferView | None:
         return self.engine.kv_transfer()
 
     def health(self) -> tuple[bool, str]:
@@ -223,13 +239,13 @@ class AsyncLLM(EngineClient):
 
     # ---- the engine thread ------------------------------------------------------------
 
-    def _deliver(self, request_id: str, item: Any) -> None:
+    def _deliver(self, request_id: str, item: Delivery) -> None:
         self._deliver_all([(request_id, item)])
 
-    def _deliver_all(self, items: Sequence[tuple[str, Any]]) -> None:
+    def _deliver_all(self, items: Sequence[tuple[str, Delivery]]) -> None:
         """Hand each (request id, output or error) to its stream: one wake-up
         of each event loop for the lot (a step's outputs), not one per stream."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, Any]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue[Delivery], Delivery]]] = {}
         for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:
@@ -301,7 +317,7 @@ class AsyncLLM(EngineClient):
                     self._fatal = exc
                     self._stop = True  # the thread ends, so /health fails; new requests get the error
                 continue
-            delivered: list[tuple[str, Any]] = []
+            delivered: list[tuple[str, Delivery]] = []
             for out in outputs:
                 cursor = self._cursors.pop(out.request_id, None) if out.finished or out.error else self._cursors.get(out.request_id)
                 if out.error:

@@ -132,7 +132,16 @@ class LLMEngine(EngineCore):
                 param="prompt",
                 code="context_length_exceeded",
             )
-        if n + params.max_tokens > self.max_model_len:
+        bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias")
+        if params.min_tokens > self.max_model_len:
+            raise RequestError(
+                f"min_tokens {params.min_tokens} is beyond this model's maximum context length, {self.max_model_len}",
+                param="min_tokens",
+                code="context_length_exceeded",
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {n + params.max_tokens} "
                 f"were requested ({n} in the prompt, {params.max_tokens} to generate): lower max_tokens",
@@ -159,6 +168,8 @@ class LLMEngine(EngineCore):
             raise RequestError(f"request id {request_id!r} is already running", param="request_id")
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
+        if params.max_tokens is None:  # as many as the context leaves
+            params = params.clone(max_tokens=self.max_model_len - len(prompt_token_ids))
         req = Request(request_id, prompt, prompt_token_ids, params)
         seq = Sequence(req, 0, list(prompt_token_ids), generator=make_generator(params.seed))
         seq.grammar = params.grammar
@@ -392,7 +403,7 @@ class LLMEngine(EngineCore):
                     return self._finish(seq, "stop", stop)
         if seq.grammar is not None and seq.grammar.is_terminated():
             return self._finish(seq, "stop")
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= p.limit or seq.num_tokens >= self.max_model_len:
             seq.text += detokenize_step(self.tokenizer, seq, final=True)
             return self._finish(seq, "length")
 

@@ -20,9 +20,16 @@ import it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from plinth.errors import PlinthError
+
+if TYPE_CHECKING:  # the engine's two data modules, which import nothing of the engine
+    from plinth.contract.model import ModelConfig
+    from plinth.engine.outputs import RequestOutput
+    from plinth.engine.sampling_params import SamplingParams
+    from plinth.tokenizer import Tokenizer
 
 #: how long close() waits for pending KV saves and threads, by default
 CLOSE_TIMEOUT_S = 10.0
@@ -52,22 +59,22 @@ class EngineCore(ABC):
     """Requests in, one scheduled step at a time, outputs out. One thread
     drives it; nothing in it is shared with other threads."""
 
-    tokenizer: Any
-    model_config: Any
+    tokenizer: Tokenizer
+    model_config: ModelConfig
     max_model_len: int
     #: what start-up chose (``startup.Components``: the ``ResolvedConfig``, the plugins, the step plan)
     components: Any
 
     @abstractmethod
-    def validate(self, prompt_token_ids: Sequence[int], params: Any) -> None:
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``RequestError`` for what this engine cannot run."""
 
     @abstractmethod
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: Any, *, prompt: str | None = None) -> Any:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, prompt: str | None = None) -> object:
         """Queue a request (validated first)."""
 
     @abstractmethod
-    def abort_request(self, request_id: str) -> Any:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now (finish reason ``abort``); its final output, or
         None when it is not running."""
 
@@ -80,7 +87,7 @@ class EngineCore(ABC):
         """Whether a step has anything to do (or a failure to report)."""
 
     @abstractmethod
-    def step(self) -> list[Any]:
+    def step(self) -> list[RequestOutput]:
         """Run one step; the outputs of every request that moved."""
 
     @abstractmethod
@@ -96,7 +103,7 @@ class EngineCore(ABC):
         """What start-up chose (plugins, model, pool), for /version and logs."""
 
     @abstractmethod
-    def kv_transfer(self) -> Any:
+    def kv_transfer(self) -> KVTransferView | None:
         """The KV connector's engine side (``KVTransfer``), or None."""
 
     @abstractmethod
@@ -107,74 +114,74 @@ class EngineCore(ABC):
     def __enter__(self) -> "EngineCore":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class EngineClient(ABC):
-    """What the server talks to. Safe to call from an event loop."""
+class KVTransferView(Protocol):
+    """What the server reads of the KV connector's engine side (``KVTransfer``)."""
+
+    role: str
+    deadline_s: float
+
+    def health(self) -> tuple[bool, str]: ...
+
+    def wait_saves(self, timeout: float | None = None) -> bool: ...
+
+
+class EngineClient(Protocol):
+    """What the server talks to. Safe to call from an event loop. A Protocol:
+    the server needs these methods, not a base class (``AsyncLLM`` is the
+    implementation; test doubles need only match them)."""
 
     @property
-    @abstractmethod
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> Tokenizer: ...
 
     @property
-    @abstractmethod
-    def model_config(self) -> Any: ...
+    def model_config(self) -> ModelConfig: ...
 
     @property
-    @abstractmethod
     def max_model_len(self) -> int: ...
 
-    @abstractmethod
     def new_request_id(self, prefix: str = "req") -> str: ...
 
-    @abstractmethod
     def generate(
-        self, prompt_token_ids: Sequence[int], params: Any, *, request_id: str | None = None, prompt: str | None = None
-    ) -> AsyncIterator[Any]:
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None, prompt: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request until it finishes. Raises ``RequestError``,
         ``EngineOverloaded`` or ``EngineDraining`` before the first output;
         leaving the iteration early aborts the request."""
+        ...
 
-    @abstractmethod
     def abort(self, request_id: str) -> None: ...
 
-    @abstractmethod
     def num_pending(self) -> int:
         """Requests waiting (queued in the engine or on their way to it)."""
+        ...
 
-    @abstractmethod
     def stats(self) -> dict[str, Any]: ...
 
-    @abstractmethod
     def describe(self) -> dict[str, Any]:
         """What start-up chose (``EngineCore.describe``), and ``max_model_len``."""
+        ...
 
-    @abstractmethod
     def health(self) -> tuple[bool, str]:
         """(whether the engine loop runs, why not)."""
+        ...
 
-    @abstractmethod
     def accepting(self) -> tuple[bool, str]:
         """(whether new requests are taken, why not: draining, failed)."""
+        ...
 
-    @abstractmethod
-    def kv_transfer(self) -> Any:
+    def kv_transfer(self) -> KVTransferView | None:
         """The KV connector's engine side, or None (health, the save barrier)."""
+        ...
 
-    @abstractmethod
     def drain(self, timeout: float, reason: str = "the server is shutting down") -> int:
         """Refuse new requests (``EngineDraining(reason)``), let running ones
         finish for up to ``timeout`` seconds, then abort the rest (their
         streams end with finish reason ``abort``). Blocking; returns how many
         were aborted."""
+        ...
 
-    @abstractmethod
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None: ...
-
-    def __enter__(self) -> "EngineClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

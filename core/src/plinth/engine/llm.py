@@ -101,7 +101,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; the model's chat
         template makes each a prompt."""
-        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        convs = cast(
+            "list[Sequence[Mapping[str, Any]]]", [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        )
         tok = self.engine.tokenizer
         prompts = []
         for conv in convs:

@@ -439,7 +439,7 @@ class SpecDecoder:
                 st = self.states[seq.seq_id] = _SeqState()
             p = seq.params
             # never past max_tokens or the context: those proposals could only be wasted
-            k = min(st.offer(self.k), p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
+            k = min(st.offer(self.k), p.limit - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
             if k < 1:
                 continue
             hidden = self.hidden.get(seq.seq_id) if self.wants_hidden else None

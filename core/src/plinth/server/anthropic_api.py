@@ -13,16 +13,25 @@ order, into one leading system message, which every chat template accepts.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Callable, Iterable
+from typing import Literal, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from plinth.server.errors import APIError
-from plinth.server.generation import Done, Event, Failed, GenerationPipeline, GenerationSpec, Result, Started
+from plinth.server.generation import (
+    ChoiceDelta,
+    Done,
+    Event,
+    Failed,
+    GenerationPipeline,
+    GenerationSpec,
+    Result,
+    Started,
+)
 from plinth.server.protocol import (
     AnthropicMessage,
+    AnthropicOutputBlock,
     AnthropicTextBlock,
     AnthropicThinkingBlock,
     AnthropicToolUseBlock,
@@ -33,6 +42,7 @@ from plinth.server.protocol import (
     CountTokensRequest,
     CountTokensResponse,
     InputJSONDelta,
+    JSONObject,
     MessageDelta,
     MessageDeltaEvent,
     MessageDeltaUsage,
@@ -42,33 +52,42 @@ from plinth.server.protocol import (
     MessageStopEvent,
     PingEvent,
     SignatureDelta,
+    TextBlock,
     TextDelta,
     ThinkingDelta,
+    ThinkingDisabled,
+    ToolChoiceNone,
+    ToolChoiceTool,
+    ToolResultBlock,
+    ToolUseBlock,
 )
-from plinth.server.serving import STREAM_RESPONSE, ServingContext, random_id, sse_event
-from plinth.server.tools import ToolPlan, anthropic_tools, arguments_object, call_id, plan_tools
+from plinth.server.serving import (
+    STREAM_RESPONSE,
+    ServingContext,
+    TemplateMessage,
+    TemplateToolCall,
+    random_id,
+    sse_event,
+    with_calls,
+)
+from plinth.server.tools import ToolPlan, arguments_object, call_id, make_tools, plan_tools
 
 
-def _result_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
-
-
-def anthropic_messages(system: Any, messages: list[AnthropicMessage], *, native_tool_calls: bool = True) -> list[dict[str, Any]]:
+def anthropic_messages(
+    system: str | list[TextBlock] | None, messages: list[AnthropicMessage], *, native_tool_calls: bool = True
+) -> list[TemplateMessage]:
     """Anthropic messages as the chat template expects them: ``tool_use``
     blocks become the assistant's tool_calls (JSON text for a template that
-    has none), each ``tool_result`` a ``tool`` message, thinking is dropped."""
+    has none), each ``tool_result`` a ``tool`` message, thinking is dropped.
+    System text (the field, and system messages inline) leads, joined."""
     systems: list[str] = []
     if isinstance(system, str):
         if system:
             systems.append(system)
     elif system:
         systems.append("\n".join(b.text for b in system))
-    convo: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
+    convo: list[TemplateMessage] = []
+    for m in messages:
         if isinstance(m.content, str):
             if m.role == "system":
                 systems.append(m.content)
@@ -76,61 +95,38 @@ def anthropic_messages(system: Any, messages: list[AnthropicMessage], *, native_
                 convo.append({"role": m.role, "content": m.content})
             continue
         texts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        for j, b in enumerate(m.content):
-            extra = b.model_extra or {}
-            if b.type == "text":
-                texts.append(b.text or "")
-            elif b.type == "tool_use":
-                if not isinstance(extra.get("name"), str) or not isinstance(extra.get("input", {}), dict):
-                    raise APIError.bad_request("a tool_use block needs a name and an input object", param=f"messages.{i}.content.{j}")
-                calls.append(
-                    {"id": extra.get("id") or "", "type": "function", "function": {"name": extra["name"], "arguments": extra.get("input") or {}}}
-                )
-            elif b.type == "tool_result":
+        calls: list[TemplateToolCall] = []
+        for b in m.content:
+            if isinstance(b, TextBlock):
+                texts.append(b.text)
+            elif isinstance(b, ToolUseBlock):
+                calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
+            elif isinstance(b, ToolResultBlock):
                 if texts:  # keep the order of what the user said and the results
                     convo.append({"role": m.role, "content": "\n".join(texts)})
                     texts = []
-                text = _result_text(b.content)
-                if extra.get("is_error"):
-                    text = f"error: {text}"
-                convo.append({"role": "tool", "tool_call_id": extra.get("tool_use_id") or "", "content": text})
-            elif b.type in ("thinking", "redacted_thinking"):
-                continue
-            else:
-                raise APIError.bad_request(
-                    f"content blocks of type {b.type!r} are not supported (text, tool_use, tool_result, thinking)",
-                    param=f"messages.{i}.content.{j}.type",
-                )
+                convo.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
+            # thinking blocks are not shown to the model again
         text = "\n".join(texts)
         if m.role == "system":
             systems.append(text)
-            continue
-        if calls:
-            msg: dict[str, Any] = {"role": m.role, "content": text}
-            if native_tool_calls:
-                msg["tool_calls"] = calls
-            else:
-                shown = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) for c in calls)
-                msg["content"] = f"{text}\n{shown}" if text else shown
-            convo.append(msg)
-        elif texts or not any(b.type == "tool_result" for b in m.content):
+        elif calls:
+            convo.append(with_calls({"role": m.role, "content": text}, calls, native_tool_calls))
+        elif texts or not any(isinstance(b, ToolResultBlock) for b in m.content):
             convo.append({"role": m.role, "content": text})
-    if not convo:
-        raise APIError.bad_request("messages must hold at least one user or assistant message", param="messages")
     if systems:
         convo.insert(0, {"role": "system", "content": "\n\n".join(systems)})
     return convo
 
 
 def tool_plan(req: MessagesRequest) -> ToolPlan:
-    tools = anthropic_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
+    tools = make_tools(((t.name, t.description, t.input_schema) for t in req.tools or []), schema_field="input_schema")
     tc = req.tool_choice
-    mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc.type] if tc else None
-    if mode == "named" and not tc.name:
-        raise APIError.bad_request('tool_choice {"type": "tool"} needs a name', param="tool_choice.name")
-    parallel = not (tc and tc.disable_parallel_tool_use)
-    return plan_tools(tools, mode, tc.name if tc else None, parallel)
+    if tc is None:
+        return plan_tools(tools, None, None, True)
+    parallel = isinstance(tc, ToolChoiceNone) or not tc.disable_parallel_tool_use
+    mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc.type]
+    return plan_tools(tools, mode, tc.name if isinstance(tc, ToolChoiceTool) else None, parallel)
 
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
@@ -155,39 +151,31 @@ class AnthropicServing:
         self.pipeline = pipeline
 
     @staticmethod
-    def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
+    def _response_format(req: MessagesRequest) -> JSONObject | None:
         """Anthropic's structured outputs (``output_config.format``) as an OpenAI response_format."""
-        fmt = (req.output_config or {}).get("format") or req.output_format
-        if not fmt:
+        fmt = (req.output_config.format if req.output_config else None) or req.output_format
+        if fmt is None:
             return None
-        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
-            raise APIError.bad_request(
-                'output_config.format must be {"type": "json_schema", "schema": {...}}', param="output_config.format"
-            )
-        return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
 
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
         self.ctx.check_model(req.model)
-        tools = anthropic_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
         convo = anthropic_messages(req.system, req.messages, native_tool_calls=self.ctx.native_tool_calls)
-        return CountTokensResponse(input_tokens=len(self.pipeline.chat_prompt(convo, ToolPlan(tools=tools)).ids))
+        return CountTokensResponse(input_tokens=len(self.pipeline.chat_prompt(convo, ToolPlan(tools=make_tools(((t.name, t.description, t.input_schema) for t in req.tools or []), schema_field="input_schema"))).ids))
 
     async def messages(self, req: MessagesRequest, raw: Request) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
-        stops = list(req.stop_sequences or [])
-        if any(not s for s in stops):
-            raise APIError.bad_request("stop_sequences must not hold empty strings", param="stop_sequences")
-        plan = tool_plan(req)
+        params = req.sampling_params()
+        stops = list(params.stop or [])
         spec = GenerationSpec(
             request_id=random_id("msg_"),
+            params=params,
             messages=anthropic_messages(req.system, req.messages, native_tool_calls=ctx.native_tool_calls),
-            sampling=dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=stops),
-            max_tokens=req.max_tokens,
             response_format=self._response_format(req),
-            plan=plan,
+            plan=tool_plan(req),
             # thinking disabled: reasoning stays in the text (the template decides whether the model thinks)
-            reasoning=not (req.thinking and req.thinking.get("type") == "disabled"),
+            reasoning=not isinstance(req.thinking, ThinkingDisabled),
             call_id_prefix="toolu_",
         )
         run = await self.pipeline.start(spec)
@@ -203,7 +191,7 @@ class AnthropicServing:
     @staticmethod
     def _message(mid: str, model: str, stops: list[str], result: Result) -> MessagesResponse:
         c = result.choices[0]
-        blocks: list[Any] = []
+        blocks: list[AnthropicOutputBlock] = []
         if c.reasoning:
             blocks.append(AnthropicThinkingBlock(thinking=c.reasoning))
         if c.content or not c.calls:
@@ -282,7 +270,16 @@ class _MessageStream:
         return ()
 
 
-def _event(obj: Any) -> str:
+class _Event(Protocol):
+    """Any of Anthropic's stream events: it names itself."""
+
+    @property
+    def type(self) -> str: ...
+
+    def model_dump_json(self) -> str: ...
+
+
+def _event(obj: _Event) -> str:
     return sse_event(obj.type, obj.model_dump_json())
 
 
@@ -291,13 +288,13 @@ class _BlockWriter:
     then text, then one tool_use block per call (a new kind closes the open
     block and starts the next index)."""
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Callable[[_Event], str]) -> None:
         self.event = event
         self.index = -1
         self.kind: str | None = None
         self.call = -1
 
-    def open(self, kind: str, block: Any = None) -> str:
+    def open(self, kind: str, block: AnthropicOutputBlock | None = None) -> str:
         out = self.close_one()
         self.index += 1
         self.kind = kind
@@ -317,7 +314,7 @@ class _BlockWriter:
     def close(self) -> list[str]:
         return [self.close_one()]
 
-    def write(self, d: Any) -> list[str]:
+    def write(self, d: ChoiceDelta) -> list[str]:
         out: list[str] = []
         if d.reasoning:
             if self.kind != "thinking":

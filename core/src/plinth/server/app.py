@@ -11,15 +11,17 @@ import hmac
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from plinth import __version__
-from plinth.engine.interfaces import EngineClient
+from plinth.engine.interfaces import EngineClient, KVTransferView
+from plinth.errors import RequestError
 from plinth.server import anthropic_api, openai_api, openapi, responses_api
 from plinth.server.errors import APIError, error_bytes, error_response, is_anthropic_path, validation_message
 from plinth.server.generation import GenerationPipeline
@@ -34,6 +36,9 @@ from plinth.server.protocol import (
 )
 from plinth.server.serving import ServerSettings, ServingContext
 
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
 log = logging.getLogger("plinth.server")
 
 API_KEY_ENV = "PLINTH_API_KEY"
@@ -43,7 +48,7 @@ def _protected(path: str) -> bool:
     return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
-async def _send_error(send: Any, path: str, err: APIError) -> None:
+async def _send_error(send: Send, path: str, err: APIError) -> None:
     body = error_bytes(path, err)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
@@ -59,12 +64,12 @@ class GuardMiddleware:
     later ``receive`` calls see only the client's disconnect.
     """
 
-    def __init__(self, app: Any, *, api_key: str | None, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body: int) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body = max_body
 
-    def _authorized(self, scope: Any) -> bool:
+    def _authorized(self, scope: Scope, api_key: str) -> bool:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         given = None
         auth = headers.get("authorization", "")
@@ -72,13 +77,13 @@ class GuardMiddleware:
             given = auth[7:].strip()
         elif is_anthropic_path(scope["path"]) and "x-api-key" in headers:
             given = headers["x-api-key"].strip()
-        return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())
+        return given is not None and hmac.compare_digest(given.encode(), api_key.encode())
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if self.api_key and _protected(path) and scope.get("method") != "OPTIONS" and not self._authorized(scope):
+        if self.api_key and _protected(path) and scope.get("method") != "OPTIONS" and not self._authorized(scope, self.api_key):
             anthropic = is_anthropic_path(path)
             how = "an x-api-key header or a Bearer token" if anthropic else "an Authorization: Bearer header"
             return await _send_error(
@@ -111,7 +116,7 @@ class GuardMiddleware:
                 break
         replayed = False
 
-        async def replay() -> Any:
+        async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -129,16 +134,16 @@ class MetricsMiddleware:
         "/health", "/ready", "/metrics", "/tokenize", "/detokenize", "/version",
     }  # fmt: skip
 
-    def __init__(self, app: Any, *, counter: Any) -> None:
+    def __init__(self, app: ASGIApp, *, counter: Counter) -> None:
         self.app = app
         self.counter = counter
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = [500]
 
-        async def send_wrapper(message: Any) -> None:
+        async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
@@ -157,15 +162,15 @@ class KVSaveBarrierMiddleware:
     connector have been stored (at most the connector's deadline), so the
     decode instance the proxy calls next finds them."""
 
-    def __init__(self, app: Any, *, transfer: Any) -> None:
+    def __init__(self, app: ASGIApp, *, transfer: KVTransferView) -> None:
         self.app = app
         self.transfer = transfer
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
 
-        async def send_wrapper(message: Any) -> None:
+        async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 import anyio.to_thread
 
@@ -210,6 +215,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(request.url.path, exc)
 
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(request.url.path, APIError.from_request_error(exc))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param, code = validation_message(list(exc.errors()))
@@ -234,13 +243,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(request.url.path, err)
 
 
-def add_service_routes(app: FastAPI, ctx: ServingContext, transfer: Any) -> None:
+def add_service_routes(app: FastAPI, ctx: ServingContext, transfer: KVTransferView | None) -> None:
     """/health, /ready, /metrics, /version, /tokenize and /detokenize."""
     engine, settings = ctx.engine, ctx.settings
 
-    # GET and HEAD as two routes: one route with both gives the schema two operations of one id
-    @app.get("/health", response_model=HealthResponse)
-    @app.head("/health", response_model=HealthResponse, operation_id="health_head")
+    # GET and HEAD as one route, so a 405 names both in Allow (openapi.py gives the two operations their ids)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def health() -> Response:
         """503 with the reason when the engine loop is gone (a dead rank);
         200 with ``"status": "degraded"`` and the reason when the KV
@@ -256,8 +264,7 @@ def add_service_routes(app: FastAPI, ctx: ServingContext, transfer: Any) -> None
                 return JSONResponse({"status": "degraded", "kv_connector": why})
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready", response_model=HealthResponse)
-    @app.head("/ready", response_model=HealthResponse, operation_id="ready_head")
+    @app.api_route("/ready", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def ready() -> Response:
         """503 with the reason while new requests are refused (draining, failed)."""
         ok, why = engine.accepting()
@@ -286,17 +293,13 @@ def add_service_routes(app: FastAPI, ctx: ServingContext, transfer: Any) -> None
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(req.model)
-        if req.messages is not None:
-            if not req.messages:
-                raise APIError.bad_request("messages must not be empty", param="messages")
+        if req.messages:
             _, ids = ctx.chat_prompt(
                 openai_api.chat_messages(req.messages, native_tool_calls=ctx.native_tool_calls),
                 add_generation_prompt=req.add_generation_prompt,
             )
-        elif req.prompt is not None:
-            ids = ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            raise APIError.bad_request("give either prompt or messages", param="prompt")
+            ids = ctx.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(
             count=len(ids),
             max_model_len=engine.max_model_len,
@@ -311,7 +314,7 @@ def add_service_routes(app: FastAPI, ctx: ServingContext, transfer: Any) -> None
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(ids, skip_special_tokens=False))
 
 
-def add_middleware(app: FastAPI, ctx: ServingContext, transfer: Any) -> None:
+def add_middleware(app: FastAPI, ctx: ServingContext, transfer: KVTransferView | None) -> None:
     """The last added runs first: metrics, then the guard (API key, body size), then the KV save barrier."""
     settings = ctx.settings
     if transfer is not None and getattr(transfer, "role", "") == "kv_producer":

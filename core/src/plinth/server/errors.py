@@ -18,9 +18,15 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pydantic_core import ErrorDetails
 
 from plinth.errors import RequestError
+
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
 
 log = logging.getLogger("plinth.server")
 
@@ -68,10 +74,10 @@ class APIError(Exception):
     def from_request_error(cls, exc: RequestError) -> APIError:
         return cls(400, str(exc), param=exc.param, code=exc.code or "invalid_value")
 
-    def openai_body(self) -> dict[str, Any]:
+    def openai_body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def anthropic_body(self) -> dict[str, Any]:
+    def anthropic_body(self) -> dict[str, object]:
         return {"type": "error", "error": {"type": self.type, "message": self.message}}
 
 
@@ -79,7 +85,7 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
-def error_body(path: str, err: APIError) -> dict[str, Any]:
+def error_body(path: str, err: APIError) -> dict[str, object]:
     return err.anthropic_body() if is_anthropic_path(path) else err.openai_body()
 
 
@@ -87,7 +93,7 @@ def error_bytes(path: str, err: APIError) -> bytes:
     return json.dumps(error_body(path, err)).encode()
 
 
-def error_response(path: str, err: APIError) -> Any:
+def error_response(path: str, err: APIError) -> JSONResponse:
     """``err`` as a response (a FastAPI ``JSONResponse``): the body for the
     route, its status and headers; the server's and the fronts' one way to
     answer an error."""
@@ -114,7 +120,7 @@ def engine_exception(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, str]:
+def validation_message(errors: Sequence[ErrorDetails]) -> tuple[str, str | None, str]:
     """A readable message, the offending parameter and a code from pydantic's
     validation errors (FastAPI's RequestValidationError)."""
     if not errors:

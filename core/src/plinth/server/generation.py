@@ -23,15 +23,26 @@ requests and frees their pages on every route alike.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.requests import Request
 
 from plinth.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from plinth.engine.sampling_params import SamplingParams
 from plinth.server.errors import APIError, engine_exception
-from plinth.server.serving import ClientDisconnected, Generation, ServingContext, SSEResponse, merged, until_disconnect
+from plinth.server.protocol import JSONObject
+from plinth.server.serving import (
+    ClientDisconnected,
+    Generation,
+    ServingContext,
+    SSEResponse,
+    TemplateMessage,
+    merged,
+    until_disconnect,
+)
 from plinth.server.tools import CallDelta, OutputParser, ToolPlan, template_tools
 
 # ---------------------------------------------------------------------------
@@ -44,22 +55,21 @@ class GenerationSpec:
     """One generation request, whatever protocol it came in."""
 
     request_id: str
+    #: the request's sampling options, checked (the protocol model made them)
+    params: SamplingParams
     #: the prompt: chat messages for the template (chat, Responses, Anthropic) ...
-    messages: list[dict[str, Any]] | None = None
+    messages: list[TemplateMessage] | None = None
     add_generation_prompt: bool = True
-    template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    template_kwargs: JSONObject | None = None
     #: ... or prompts as given (completions: each a string or token ids, each one engine request)
     prompts: list[str | list[int]] | None = None
     #: the request field that holds the prompt, for error messages
     prompt_param: str = "messages"
-    #: SamplingParams fields (None: the default); max_tokens None: what the context leaves
-    sampling: dict[str, Any] = field(default_factory=dict)
-    max_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
     #: structured output (OpenAI's response_format, vLLM's guided_*)
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
+    response_format: JSONObject | None = None
+    guided_json: JSONObject | None = None
+    guided_regex: str | None = None
     #: tools: what is rendered into the template, how calls are read, what grammar forces one
     plan: ToolPlan | None = None
     #: split reasoning from the answer (when the server has a reasoning parser)
@@ -345,17 +355,22 @@ class GenerationPipeline:
 
     def chat_prompt(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[TemplateMessage],
         plan: ToolPlan | None = None,
         *,
         add_generation_prompt: bool = True,
-        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: JSONObject | None = None,
         param: str = "messages",
     ) -> Prompt:
         """The chat template over ``messages`` (and the plan's tools)."""
         tools = template_tools(plan.tools) if plan is not None and plan.tools else None
         text, ids = self.ctx.chat_prompt(
-            messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs, tools=tools
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+            tools=tools,
         )
         if not ids:
             raise APIError.bad_request("the chat template made an empty prompt", param=param)
@@ -369,6 +384,7 @@ class GenerationPipeline:
                     spec.messages,
                     spec.plan,
                     add_generation_prompt=spec.add_generation_prompt,
+                    continue_final_message=spec.continue_final_message,
                     template_kwargs=spec.template_kwargs,
                     param=spec.prompt_param,
                 )
@@ -392,24 +408,21 @@ class GenerationPipeline:
         grammar = await ctx.grammar(
             spec.response_format, spec.guided_json, spec.guided_regex, forced=plan.grammar if plan is not None else None
         )
-        sampling = dict(spec.sampling)
-        if ctx.needs_special_tokens(plan):  # the format's markers are special tokens: keep them in the text
-            sampling["skip_special_tokens"] = False
-        max_tokens = spec.max_tokens if spec.max_tokens is not None else ctx.default_max_tokens(max(len(p.ids) for p in prompts))
-        sampling.update(max_tokens=max_tokens, logit_bias=ctx.logit_bias(spec.logit_bias))
-        params = [ctx.sampling_params(**sampling) for _ in prompts]  # each request its own (and its grammar state)
-        n = params[0].n
+        # the format's markers are special tokens: keep them in the text
+        skip_special = spec.params.skip_special_tokens and not ctx.needs_special_tokens(plan)
         gens: list[Generation] = []
         try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-                if grammar is not None:
-                    sp.grammar = grammar if i == 0 else grammar.fork()
+            for i, prompt in enumerate(prompts):
+                # each engine request its own grammar state
+                state = None if grammar is None else grammar if i == 0 else grammar.fork()
+                params = replace(spec.params, grammar=state, skip_special_tokens=skip_special)
                 rid = spec.request_id if len(prompts) == 1 else f"{spec.request_id}-{i}"
-                gens.append(await ctx.start(prompt.ids, sp, rid, prompt.text))
+                gens.append(await ctx.start(prompt.ids, params, rid, prompt.text))
         except BaseException:
             for g in gens:
                 g.close_nowait()
             raise
+        n = spec.params.n
         parsers = [
             [ctx.output_parser(plan, p.text or "", reasoning=spec.reasoning, id_prefix=spec.call_id_prefix) for _ in range(n)]
             for p in prompts
@@ -423,7 +436,7 @@ class GenerationPipeline:
         *,
         stream: bool,
         renderer: Callable[[], StreamRenderer],
-        body: Callable[[Result], Any],
+        body: Callable[[Result], BaseModel],
     ) -> Response:
         """The answer: server-sent events, or the JSON body once finished. A
         client that leaves aborts the run (its pages are freed at once)."""
@@ -433,5 +446,4 @@ class GenerationPipeline:
             result = await until_disconnect(raw, run.result())
         except ClientDisconnected:
             return Response(status_code=499)
-        out = body(result)
-        return JSONResponse(out.model_dump() if hasattr(out, "model_dump") else out)
+        return JSONResponse(body(result).model_dump())

@@ -18,11 +18,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+#: what the engine collector makes at scrape time
+Family = CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily
+
+if TYPE_CHECKING:
+    from plinth.engine.interfaces import EngineClient
+    from plinth.engine.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -61,19 +69,19 @@ class _Both:
 class _EngineCollector(Collector):
     """Engine gauges and counters, read at scrape time."""
 
-    def __init__(self, engine: Any, model_name: str, vllm_names: bool = False) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, vllm_names: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.vllm_names = vllm_names
 
-    def collect(self) -> Iterable[Any]:
+    def collect(self) -> Iterable[Metric]:
         for family in self._collect():
             yield family
             short = family.name.removeprefix("plinth:")
             if self.vllm_names and short in _VLLM_ENGINE:
                 yield _as_vllm(family, "vllm:" + short)
 
-    def _collect(self) -> Iterable[Any]:
+    def _collect(self) -> Iterable[Family]:
         try:
             s = self.engine.stats()
         except Exception:  # an engine that is shutting down still lets /metrics answer
@@ -182,7 +190,7 @@ class _EngineCollector(Collector):
             yield h
 
 
-def _as_vllm(family: Any, name: str) -> Any:
+def _as_vllm(family: Family, name: str) -> Family:
     """A copy of a scrape-time family under vLLM's name, with vLLM's ``engine`` label."""
     copy = type(family)(name, family.documentation, labels=[])
     for sample in family.samples:
@@ -191,7 +199,7 @@ def _as_vllm(family: Any, name: str) -> Any:
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any, model_name: str, *, vllm_names: bool = True) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, *, vllm_names: bool = True) -> None:
         self.model_name = model_name
         self.vllm_names = vllm_names
         self.registry = CollectorRegistry()
@@ -273,7 +281,7 @@ class RequestTracker:
         self.prompt_tokens = 0
         self.done = False
 
-    def observe(self, out: Any) -> None:
+    def observe(self, out: RequestOutput) -> None:
         if self.m is None:
             return
         now = time.monotonic()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -44,70 +44,61 @@ from plinth.server.protocol import (
     CompletionStreamResponse,
     DeltaMessage,
     FunctionCall,
+    JSONObject,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     PromptTokensDetails,
     ToolCall,
     TopLogprob,
     Usage,
 )
-from plinth.server.serving import STREAM_RESPONSE, ServingContext, clamp_logprob, now_s, random_id, sse
-from plinth.server.tools import ToolPlan, arguments_object, openai_tools, plan_tools
+from plinth.server.serving import (
+    STREAM_RESPONSE,
+    ServingContext,
+    TemplateMessage,
+    TemplateToolCall,
+    clamp_logprob,
+    now_s,
+    random_id,
+    sse,
+    with_calls,
+)
+from plinth.server.tools import CallDelta, ToolPlan, arguments_object, make_tools, plan_tools
 
-MAX_TOP_LOGPROBS = 20
 
-
-def chat_messages(messages: list[ChatMessage], param: str = "messages", *, native_tool_calls: bool = True) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage], param: str = "messages", *, native_tool_calls: bool = True) -> list[TemplateMessage]:
     """OpenAI messages as the chat template expects them (plain text content;
     ``developer`` is the newer name of ``system``; tool-call arguments as
-    objects, as templates render them). A template that knows nothing of
-    tool calls (``native_tool_calls`` False) gets them as JSON text, so the
-    model still sees what it called."""
-    out = []
-    for i, m in enumerate(messages):
+    objects, as templates render them; ``with_calls`` for a template that
+    knows no tool calls)."""
+    out: list[TemplateMessage] = []
+    for m in messages:
         content = m.content
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        else:
-            parts = []
-            for j, part in enumerate(content):
-                if part.type not in ("text", "input_text", "output_text") or part.text is None:
-                    raise APIError.bad_request(
-                        f"content parts of type {part.type!r} are not supported (text only)",
-                        param=f"{param}.{i}.content.{j}.type",
-                    )
-                parts.append(part.text)
-            text = "\n".join(parts)
-        role = "system" if m.role == "developer" else m.role
-        msg: dict[str, Any] = {"role": role, "content": text}
+        text = "" if content is None else content if isinstance(content, str) else "\n".join(part.text for part in content)
+        msg: TemplateMessage = {"role": "system" if m.role == "developer" else m.role, "content": text}
         if m.name:
             msg["name"] = m.name
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            calls = [
+            calls: list[TemplateToolCall] = [
                 {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": arguments_object(c.function.arguments)}}
                 for c in m.tool_calls
             ]
-            if native_tool_calls:
-                msg["tool_calls"] = calls
-            else:
-                shown = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) for c in calls)
-                msg["content"] = f"{text}\n{shown}" if text else shown
+            msg = with_calls(msg, calls, native_tool_calls)
         out.append(msg)
     return out
 
 
 def chat_tool_plan(req: ChatCompletionRequest) -> ToolPlan:
     """A chat request's tools and tool_choice as a plan (what the template shows, what the parser reads)."""
-    tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
+    tools = make_tools(((t.function.name, t.function.description, t.function.parameters) for t in req.tools or []), schema_field="function.parameters")
     mode, named = tool_choice_of(req.tool_choice)
     return plan_tools(tools, mode, named, req.parallel_tool_calls is not False)
 
 
-def tool_choice_of(choice: Any) -> tuple[str | None, str | None]:
+def tool_choice_of(choice: Literal["none", "auto", "required"] | NamedToolChoice | None) -> tuple[str | None, str | None]:
     """OpenAI's tool_choice as (mode, function name)."""
     if choice is None or isinstance(choice, str):
         return choice, None
@@ -121,12 +112,6 @@ def usage_of(u: TokenUsage) -> Usage:
         total_tokens=u.total_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
     )
-
-
-def _stop_list(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
 
 
 class OpenAIServing:
@@ -191,25 +176,11 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.ctx.check_model(req.model)
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError.bad_request("best_of is not supported (it must equal n when given)", param="best_of")
-        if req.suffix:
-            raise APIError.bad_request("suffix is not supported", param="suffix")
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-            raise APIError.bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", param="logprobs")
-        p = req.prompt
         spec = GenerationSpec(
             request_id=random_id("cmpl-"),
-            # one engine request per prompt: a string, or token ids
-            prompts=[p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p),  # type: ignore[list-item]
+            params=req.sampling_params(),
+            prompts=req.prompts(),
             prompt_param="prompt",
-            sampling=dict(
-                req.sampling_kwargs(_stop_list(req.stop)),
-                logprobs=req.logprobs,
-                prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
-            ),
-            max_tokens=req.max_tokens,
-            logit_bias=req.logit_bias,
             response_format=req.response_format,
             guided_json=req.guided_json,
             guided_regex=req.guided_regex,
@@ -256,21 +227,18 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
-        if req.top_logprobs is not None:
-            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise APIError.bad_request(
-                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs"
-                )
-            if not req.logprobs and req.top_logprobs > 0:
-                raise APIError.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
+        if req.max_completion_tokens is not None and req.max_tokens is not None and req.max_tokens > ctx.engine.max_model_len:
+            # max_completion_tokens is the one used; max_tokens still has the document's bound
+            raise APIError(
+                400, f"max_tokens {req.max_tokens} is beyond the context length, {ctx.engine.max_model_len}", param="max_tokens", code="context_length_exceeded"
+            )
         spec = GenerationSpec(
             request_id=random_id("chatcmpl-"),
+            params=req.sampling_params(),
             messages=chat_messages(req.messages, native_tool_calls=ctx.native_tool_calls),
             add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
-            sampling=dict(req.sampling_kwargs(_stop_list(req.stop)), logprobs=(req.top_logprobs or 0) if req.logprobs else None),
-            max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-            logit_bias=req.logit_bias,
             response_format=req.response_format,
             guided_json=req.guided_json,
             guided_regex=req.guided_regex,
@@ -399,9 +367,9 @@ class _ChatStream:
         return [sse("[DONE]")]
 
 
-def _call_delta(d: Any) -> dict[str, Any]:
-    fn: dict[str, Any] = {"arguments": d.arguments}
-    out: dict[str, Any] = {"index": d.index}
+def _call_delta(d: CallDelta) -> JSONObject:
+    fn: JSONObject = {"arguments": d.arguments}
+    out: JSONObject = {"index": d.index}
     if d.name is not None:
         out.update(id=d.id, type="function")
         fn = {"name": d.name, "arguments": d.arguments}

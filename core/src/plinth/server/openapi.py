@@ -15,10 +15,11 @@ truth is only known at run time or lives outside the route signatures:
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import JsonSchemaValue
 
 from plinth.server.errors import ERROR_TYPES, is_anthropic_path
 
@@ -81,7 +82,20 @@ def _statuses(path: str, method: str) -> list[int]:
     return sorted(out)
 
 
-def _bound_ids(node: Any, vocab_size: int) -> None:
+def int_range_pattern(hi: int) -> str:
+    """A regular expression for the decimal integers 0..hi (no leading zeros):
+    logit_bias's keys, token ids as strings, bounded by the vocabulary."""
+    s = str(hi)
+    alts = ["0"] + [f"[1-9][0-9]{{{k - 1}}}" if k > 1 else "[1-9]" for k in range(1, len(s))]
+    for i, c in enumerate(s):  # same length: hi's first i digits, then a smaller digit, then any
+        lo, rest = (1 if i == 0 else 0), len(s) - i - 1
+        if int(c) > lo:
+            alts.append(s[:i] + f"[{lo}-{int(c) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    alts.append(s)
+    return "^(" + "|".join(dict.fromkeys(alts)) + ")$"
+
+
+def _bound_ids(node: object, vocab_size: int) -> None:
     if isinstance(node, dict):
         if node.get("type") == "integer":
             node["maximum"] = vocab_size - 1
@@ -92,11 +106,15 @@ def _bound_ids(node: Any, vocab_size: int) -> None:
             _bound_ids(v, vocab_size)
 
 
-def _bound_fields(schema: dict[str, Any], names: list[str], max_model_len: int, vocab_size: int) -> None:
+def _bound_fields(schema: JsonSchemaValue, names: list[str], max_model_len: int, vocab_size: int) -> None:
     props = schema.get("properties") or {}
     for field in TOKEN_ID_FIELDS:
         if field in props and schema.get("title", "").endswith("Request"):
             _bound_ids(props[field], vocab_size)
+    bias = props.get("logit_bias")
+    for branch in (bias or {}).get("anyOf", []):
+        if "propertyNames" in branch:
+            branch["propertyNames"] = {"pattern": int_range_pattern(vocab_size - 1)}
     for field in MODEL_FIELDS:
         if field in props:
             named = {"type": "string", "enum": list(names)}
@@ -118,10 +136,12 @@ def _bound_fields(schema: dict[str, Any], names: list[str], max_model_len: int, 
 def install(app: FastAPI, served_model_names: list[str], max_model_len: int, vocab_size: int) -> None:
     """Make ``app.openapi()`` return the corrected document."""
 
-    def openapi() -> dict[str, Any]:
+    def openapi() -> JsonSchemaValue:
         if app.openapi_schema is not None:
             return app.openapi_schema
-        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        with warnings.catch_warnings():  # GET and HEAD of one route share an id, made distinct below
+            warnings.filterwarnings("ignore", "Duplicate Operation ID", UserWarning)
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
@@ -142,7 +162,7 @@ def install(app: FastAPI, served_model_names: list[str], max_model_len: int, voc
                     if param.get("name") == "model_id":
                         param["schema"] = {"type": "string", "enum": list(served_model_names)}
                 for status in _statuses(path, method):
-                    answer: dict[str, Any] = {"description": WHY[status], "content": {"application/json": {"schema": body}}}
+                    answer: JsonSchemaValue = {"description": WHY[status], "content": {"application/json": {"schema": body}}}
                     if status == 503:
                         answer["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
                     responses[str(status)] = answer

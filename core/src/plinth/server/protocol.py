@@ -9,21 +9,69 @@ newer clients keep working; a known field of the wrong type is a 400.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Annotated, Any, Literal
+from collections.abc import Iterator
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_serializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    JsonValue,
+    PlainValidator,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError
 
-MAX_N = 128
-MAX_LOGPROBS = 20
-#: the sampler computes in float32: larger numbers would become inf there
-FLOAT32_MAX = 3.0e38
-#: seeds seed torch generators (64 bits); n > 1 seeds sample i with seed + i
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N
+from plinth.engine.sampling_params import BOUNDS, SamplingParams, check_option
+from plinth.errors import RequestError
+
+#: a JSON object as the client sent it (a schema, tool arguments, metadata)
+JSONObject = dict[str, JsonValue]
+
+
+def _whole(value: object) -> object:
+    """5.0 as 5: JSON Schema's integers include whole floats (strict mode would refuse them)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+#: an integer as JSON Schema has it: 5 or 5.0, never "5", true or 5.5
+Int = Annotated[int, BeforeValidator(_whole)]
+#: a token id (the document bounds it by the vocabulary, server/openapi.py)
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_whole)]
+
+
+class Bounded:
+    """A field's bound, as ``SamplingParams`` states and checks it
+    (``BOUNDS[name]``), written into the field's JSON Schema: the document
+    says exactly what ``SamplingParams`` refuses. ``Annotated[int, Bounded("n")]``."""
+
+    def __init__(self, name: str) -> None:
+        self.bound = BOUNDS[name]
+
+    def __get_pydantic_json_schema__(self, core_schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        schema = handler(core_schema)
+        # of ``T | None``, the branch that is a number
+        target = next((b for b in schema.get("anyOf", []) if b.get("type") in ("integer", "number")), schema)
+        target.update(self.bound.json_schema())
+        return schema
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    """A request body. Strict: a field takes only its JSON type (no "5" for 5,
+    no false for 0), so what validates is what the document describes.
+    Unknown fields are ignored, as OpenAI's and vLLM's servers do."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
 
 class _Response(BaseModel):
@@ -50,51 +98,126 @@ class Usage(_Response):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class SamplingFields(_Request):
-    """Sampling options shared by completions and chat (vLLM's extras included)."""
+#: OpenAI's logit_bias: {"token id": bias}; the document's key pattern is narrowed to the vocabulary (server/openapi.py)
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]{0,8})$"
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)], float],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": TOKEN_ID_KEY},
+            "additionalProperties": {"type": "number", **BOUNDS["logit_bias"].json_schema()},
+        }
+    ),
+]
 
-    # the bounds are the sampler's (SamplingParams.validate), stated here so the API document has them
-    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, json_schema_extra={"not": {"const": 0}}, description="-1 (off) or >= 1")
-    min_p: float | None = Field(None, ge=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+
+@contextlib.contextmanager
+def named_as(aliases: dict[str, str]) -> Iterator[None]:
+    """``SamplingParams``' errors under the request's own field names
+    (``max_completion_tokens`` for max_tokens, ``top_logprobs`` for logprobs)."""
+    try:
+        yield
+    except RequestError as exc:
+        param = exc.param or ""
+        if param not in aliases:
+            raise
+        message = str(exc)
+        raise RequestError(aliases[param] + message[len(param) :] if message.startswith(param) else message, param=aliases[param], code=exc.code) from None
+
+
+_NULL: JsonSchemaValue = {"type": "null"}
+#: a format field that asks for free text (null, or a format of type "text")
+FREE_TEXT: JsonSchemaValue = {"anyOf": [_NULL, {"type": "object", "properties": {"type": {"enum": [None, "text"]}}}]}
+
+
+def forced_call_rules(forcing: JsonSchemaValue, free_text: dict[str, JsonSchemaValue]) -> JsonSchemaValue:
+    """The document's rules for a tool_choice matching ``forcing`` (one that
+    forces a call), which ``tools.plan_tools`` and ``ServingContext.grammar``
+    enforce: it comes with tools, and with no structured output (the call's
+    grammar is the output's): each field of ``free_text`` as given there."""
+    return {
+        "if": {"required": ["tool_choice"], "properties": {"tool_choice": forcing}},
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}, **free_text}},
+    }
+
+
+#: OpenAI's tool_choice values that force a call: "required", or a named function
+OPENAI_FORCING: JsonSchemaValue = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+
+
+def token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """logit_bias with its keys as token ids (the pattern made them digits)."""
+    return {int(k): v for k, v in bias.items()} if bias else None
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+class SamplingFields(_Request):
+    """Sampling options shared by completions and chat (vLLM's extras included).
+    The bounds are ``SamplingParams``' (``Bounded``): it checks them when a
+    request makes its ``SamplingParams``; here they are only published."""
+
+    temperature: Annotated[float | None, Bounded("temperature")] = None
+    top_p: Annotated[float | None, Bounded("top_p")] = None
+    top_k: Annotated[Int | None, Bounded("top_k")] = Field(None, description="-1 (off) or >= 1")
+    min_p: Annotated[float | None, Bounded("min_p")] = None
+    n: Annotated[Int, Bounded("n")] = 1
+    seed: Annotated[Int | None, Bounded("seed")] = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=FLOAT32_MAX)
+    stop_token_ids: list[Annotated[Int, Bounded("stop_token_ids")]] | None = None
+    presence_penalty: Annotated[float | None, Bounded("presence_penalty")] = None
+    frequency_penalty: Annotated[float | None, Bounded("frequency_penalty")] = None
+    repetition_penalty: Annotated[float | None, Bounded("repetition_penalty")] = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Annotated[Int, Bounded("min_tokens")] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     #: vLLM's guided decoding extras
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    response_format: dict[str, Any] | None = None
+    guided_json: JSONObject | None = None
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    response_format: JSONObject | None = None
+    logit_bias: LogitBias | None = None
 
-    def sampling_kwargs(self, stop: list[str]) -> dict[str, Any]:
-        """The SamplingParams fields both APIs take as they are."""
-        return dict(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=stop,
-            stop_token_ids=self.stop_token_ids,
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None, *, aliases: dict[str, str] | None = None
+    ) -> SamplingParams:
+        """The request's ``SamplingParams`` (which checks every bound, errors
+        under the request's names: ``aliases``); options left out keep the
+        sampler's defaults."""
+        with named_as(aliases or {}):
+            return self._make(max_tokens, logprobs, prompt_logprobs)
+
+    def _make(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
             n=self.n,
+            seed=self.seed,
+            stop=stop_list(self.stop),
+            stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=token_bias(self.logit_bias),
+            **SamplingParams.given(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+            ),
         )
 
 
@@ -125,28 +248,64 @@ class ModelList(_Response):
 _TOKEN_ID = {"type": "integer", "minimum": 0}
 
 
-def _nonempty(items: dict[str, Any]) -> dict[str, Any]:
+def _nonempty(items: JsonSchemaValue) -> JsonSchemaValue:
     return {"type": "array", "items": items, "minItems": 1}
 
 
-#: OpenAI's logit_bias: {"token id": bias}
-LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]]
+def _token_ids(value: object, where: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        template = "{where} is empty" if value == [] else "{where} must be token ids"
+        raise PydanticCustomError("invalid_value", template, {"where": where})
+    ids = [_whole(t) for t in value]
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise PydanticCustomError("invalid_type", "{where}: token ids are integers, got {t}", {"where": where, "t": repr(t)})
+        if t < 0:
+            raise PydanticCustomError("invalid_value", "{where}: token id {t} is negative", {"where": where, "t": t})
+    return ids  # type: ignore[return-value]
+
+
+def check_prompt(value: object) -> str | list[str] | list[int] | list[list[int]]:
+    """A completion's prompt: text, a batch of texts, token ids, or a batch of
+    those; never empty (the document states the same, ``PROMPT_SCHEMA``)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("invalid_type", "prompt must be a string, a list of strings, or token ids (or a list of those)")
+    if not value:
+        raise PydanticCustomError("invalid_value", "prompt must not be empty")
+    if all(isinstance(p, str) for p in value):
+        return value
+    if isinstance(value[0], list):
+        return [_token_ids(p, f"prompt {i}") for i, p in enumerate(value)]
+    return _token_ids(value, "prompt")
+
+
+PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, _nonempty({"type": "string"}), _nonempty(_TOKEN_ID), _nonempty(_nonempty(_TOKEN_ID))]}
 
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    #: the route checks emptiness and the vocabulary, with messages that say which prompt; the document states it
-    prompt: Annotated[
-        str | list[str] | list[int] | list[list[int]],
-        WithJsonSchema({"anyOf": [{"type": "string"}, _nonempty({"type": "string"}), _nonempty(_TOKEN_ID), _nonempty(_nonempty(_TOKEN_ID))]}),
-    ]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    #: a prompt (text or token ids), or a batch of them; the engine checks the ids against the vocabulary
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], PlainValidator(check_prompt), WithJsonSchema(PROMPT_SCHEMA)]
+    max_tokens: Annotated[Int | None, Bounded("max_tokens")] = 16
+    logprobs: Annotated[Int | None, Bounded("logprobs")] = None
     echo: bool = False
-    #: accepted only equal to n, and suffix only empty (the route says why): documented as absent
-    best_of: Annotated[int | None, WithJsonSchema({"type": "null"})] = None
-    suffix: Annotated[str | None, WithJsonSchema({"type": "null"})] = None
-    logit_bias: LogitBias | None = None
+    #: plinth returns every sample, it picks no best: best_of is 1 or absent
+    best_of: Literal[1] | None = None
+    #: no insertion after the prompt: suffix is empty or absent
+    suffix: Literal[""] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(self.max_tokens, self.logprobs, echoed)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One engine request per prompt: a string, or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class CompletionLogprobs(_Response):
@@ -215,7 +374,7 @@ class ChatMessage(_Request):
 class FunctionDefinition(_Request):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 
@@ -234,20 +393,62 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra={
+            # the two rules the validator below checks
+            "allOf": [
+                {
+                    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+                    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+                },
+                {
+                    "if": {"required": ["continue_final_message"], "properties": {"continue_final_message": {"const": True}}},
+                    "then": {"required": ["add_generation_prompt"], "properties": {"add_generation_prompt": {"const": False}}},
+                },
+                forced_call_rules(OPENAI_FORCING, {"response_format": FREE_TEXT, "guided_json": _NULL, "guided_regex": _NULL}),
+            ]
+        }
+    )
+
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[Int | None, Bounded("max_tokens")] = None
+    max_completion_tokens: Annotated[Int | None, Bounded("max_tokens")] = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    logit_bias: LogitBias | None = None
+    top_logprobs: Annotated[Int | None, Bounded("logprobs")] = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    #: vLLM's chat-template extras
+    #: vLLM's chat-template extras: continue_final_message renders the last
+    #: message open (the model continues it, as transformers' option does)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs to be true")
+        return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_without_generation_prompt(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt", True):
+            raise PydanticCustomError(
+                "invalid_value", "continue_final_message needs add_generation_prompt to be false (the answer continues the last message)"
+            )
+        return v
+
+    def sampling_params(self) -> SamplingParams:
+        """max_completion_tokens (OpenAI's newer name) wins over max_tokens; both are checked."""
+        aliases = {"logprobs": "top_logprobs"}
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:
+            check_option("max_tokens", self.max_tokens)
+            max_tokens, aliases["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, aliases=aliases)
 
 
 class TopLogprob(_Response):
@@ -299,10 +500,10 @@ class DeltaMessage(_Response):
     reasoning_content: str | None = None
     #: pieces of tool calls: {"index", "id", "type", "function": {"name", "arguments"}},
     #: id, type and name on a call's first piece only
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[JSONObject] | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
@@ -329,49 +530,58 @@ class ChatCompletionStreamResponse(_Response):
 # --------------------------------------------------------------------------
 
 
-class AnthropicContentBlock(_Request):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-    content: str | list[dict[str, Any]] | None = None  # tool_result
+class TextBlock(_Request):
+    type: Literal["text"]
+    text: str
 
 
-def _block(kind: str, required: list[str], **props: Any) -> dict[str, Any]:
-    return {"type": "object", "required": ["type", *required], "properties": {"type": {"const": kind}, **props}}
+class ToolUseBlock(_Request):
+    """A call the assistant made (sent back in the conversation)."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str = Field(min_length=1)
+    input: JSONObject
 
 
-_STR = {"type": "string"}
-#: the blocks the route reads (anthropic_api.anthropic_messages checks them, naming the block at fault)
-ANTHROPIC_BLOCKS = {
-    "oneOf": [
-        _block("text", ["text"], text=_STR),
-        _block("tool_use", ["id", "name", "input"], id=_STR, name={"type": "string", "minLength": 1}, input={"type": "object"}),
-        _block(
-            "tool_result",
-            ["tool_use_id"],
-            tool_use_id=_STR,
-            content={"anyOf": [_STR, {"type": "array", "items": _block("text", ["text"], text=_STR)}]},
-            is_error={"type": "boolean"},
-        ),
-        _block("thinking", ["thinking"], thinking=_STR, signature=_STR),
-        _block("redacted_thinking", ["data"], data=_STR),
-    ]
-}
+class ToolResultBlock(_Request):
+    """What a call returned."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+    def text(self) -> str:
+        body = self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content or [])
+        return f"error: {body}" if self.is_error else body
 
 
-#: Anthropic's structured-output format (the only one the route takes)
-_JSON_SCHEMA_FORMAT = _block("json_schema", ["schema"], schema={"type": "object"})
+class ThinkingBlock(_Request):
+    """Earlier thinking: accepted and left out of the prompt."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Request):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+#: the content blocks the server reads (text only: no images or documents)
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")
+]
 
 
 class AnthropicMessage(_Request):
     role: Literal["user", "assistant", "system"]
-    content: Annotated[
-        str | list[AnthropicContentBlock],
-        WithJsonSchema({"anyOf": [_STR, {"type": "array", "items": ANTHROPIC_BLOCKS}]}),
-    ]
+    content: str | list[ContentBlock]
 
 
-class AnthropicTextBlock(_Request):
+class AnthropicTextBlock(_Response):
     type: Literal["text"] = "text"
     text: str
 
@@ -387,7 +597,7 @@ class AnthropicToolUseBlock(_Response):
     type: Literal["tool_use"] = "tool_use"
     id: str
     name: str
-    input: dict[str, Any] = Field(default_factory=dict)
+    input: JSONObject = Field(default_factory=dict)
 
 
 AnthropicOutputBlock = AnthropicTextBlock | AnthropicThinkingBlock | AnthropicToolUseBlock
@@ -396,41 +606,98 @@ AnthropicOutputBlock = AnthropicTextBlock | AnthropicThinkingBlock | AnthropicTo
 class AnthropicTool(_Request):
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any] | None = None
+    input_schema: JSONObject | None = None
     type: Literal["custom"] | None = None
 
 
-class AnthropicToolChoice(_Request):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
+class _ToolChoice(_Request):
     disable_parallel_tool_use: bool | None = None
 
 
+class ToolChoiceAuto(_ToolChoice):
+    type: Literal["auto"]
+
+
+class ToolChoiceAny(_ToolChoice):
+    """At least one call, of any tool."""
+
+    type: Literal["any"]
+
+
+class ToolChoiceTool(_ToolChoice):
+    """A call of the tool named."""
+
+    type: Literal["tool"]
+    name: str
+
+
+class ToolChoiceNone(_Request):
+    type: Literal["none"]
+
+
+AnthropicToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+
+
+class ThinkingEnabled(_Request):
+    type: Literal["enabled"]
+    budget_tokens: Int | None = None
+
+
+class ThinkingDisabled(_Request):
+    """Reasoning is left in the text (the chat template decides whether the model thinks)."""
+
+    type: Literal["disabled"]
+
+
+class JSONSchemaOutput(_Request):
+    """Anthropic's structured output: the answer is JSON that ``schema`` accepts."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True, populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: JSONObject = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    format: JSONSchemaOutput | None = None
+
+
 class MessagesRequest(_Request):
+    model_config = ConfigDict(
+        extra="ignore",
+        protected_namespaces=(),
+        strict=True,
+        json_schema_extra=forced_call_rules(
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}},
+            {"output_format": _NULL, "output_config": {"anyOf": [_NULL, {"type": "object", "properties": {"format": _NULL}}]}},
+        ),
+    )
+
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    system: str | list[AnthropicTextBlock] | None = None
+    max_tokens: Annotated[Int, Bounded("max_tokens")]
+    system: str | list[TextBlock] | None = None
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
     stream: bool = False
-    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, json_schema_extra={"not": {"const": 0}}, description="-1 (off) or >= 1")
-    metadata: dict[str, Any] | None = None
+    temperature: Annotated[float | None, Bounded("temperature")] = None
+    top_p: Annotated[float | None, Bounded("top_p")] = None
+    top_k: Annotated[Int | None, Bounded("top_k")] = Field(None, description="-1 (off) or >= 1")
+    metadata: JSONObject | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    #: {"type": "enabled", "budget_tokens": N} | {"type": "disabled"}: with "disabled"
-    #: reasoning is left in the text (the template decides whether the model thinks)
-    thinking: dict[str, Any] | None = None
-    #: structured outputs: {"format": {"type": "json_schema", "schema": {...}}}
-    output_config: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [{"type": "object", "properties": {"format": _JSON_SCHEMA_FORMAT}}, {"type": "null"}]})] = None
-    output_format: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [_JSON_SCHEMA_FORMAT, {"type": "null"}]})] = None
+    thinking: Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")] | None = None
+    #: structured outputs (output_format: the beta's name of output_config.format)
+    output_config: OutputConfig | None = None
+    output_format: JSONSchemaOutput | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        given = SamplingParams.given(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        return SamplingParams(max_tokens=self.max_tokens, stop=list(self.stop_sequences or []), **given)
 
 
 class CountTokensRequest(_Request):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[AnthropicTextBlock] | None = None
+    system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
 
 
@@ -527,11 +794,12 @@ class MessageStopEvent(_Response):
 
 
 class TokenizeRequest(_Request):
-    """Either ``prompt`` (a string) or ``messages`` (through the chat template)."""
+    """Either ``messages`` (through the chat template) or ``prompt`` (a string)."""
 
     model_config = ConfigDict(
         extra="ignore",
         protected_namespaces=(),
+        strict=True,
         json_schema_extra={
             "anyOf": [
                 {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
@@ -547,6 +815,12 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if not self.messages and self.prompt is None:
+            raise ValueError("give either prompt or messages (a non-empty list)")
+        return self
+
 
 class TokenizeResponse(_Response):
     count: int
@@ -557,7 +831,7 @@ class TokenizeResponse(_Response):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(_Response):
@@ -568,7 +842,7 @@ class VersionResponse(_Response):
     version: str
     plugin_api: str | None = None
     models: list[str]
-    engine: dict[str, Any] = Field(default_factory=dict)
+    engine: JSONObject = Field(default_factory=dict)
 
 
 class HealthResponse(_Response):

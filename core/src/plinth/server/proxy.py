@@ -25,7 +25,13 @@ error (4xx) from the prefill instance is the client's answer.
 import argparse
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from plinth.plugins import PluginRegistry
+    from plinth.server.protocol import JSONObject
 
 from plinth.server.replicas import (
     Replica,
@@ -48,7 +54,7 @@ ROUTES = {
 }
 
 
-def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(path: str, body: "JSONObject") -> "JSONObject":
     """The request a prefill instance gets: one output token, whole, n=1."""
     out = dict(body)
     for field in ROUTES[path]:
@@ -62,27 +68,28 @@ def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 600.0) -> Any:
+def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 600.0) -> "FastAPI":
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
     pre, dec = ReplicaSet(prefill), ReplicaSet(decode)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    state: dict[str, Any] = {}
+    clients: "list[httpx.AsyncClient]" = []  # made on first use, in the server's loop
+    pollers: list[asyncio.Task[None]] = []
 
-    def client() -> httpx.AsyncClient:
-        if "client" not in state:
-            state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits)
-        return state["client"]
+    def client() -> "httpx.AsyncClient":
+        if not clients:
+            clients.append(httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits))
+        return clients[0]
 
     app = FastAPI(title="plinth proxy", docs_url=None, redoc_url=None)
 
     def ensure_polling() -> None:
         """The instances' health pollers, started on the first request or at start-up."""
-        if "pollers" not in state:
+        if not pollers:
             loop = asyncio.get_running_loop()
-            state["pollers"] = [loop.create_task(s.run(client())) for s in (pre, dec)]
+            pollers.extend(loop.create_task(s.run(client())) for s in (pre, dec))
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -90,12 +97,12 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
 
     @app.on_event("shutdown")
     async def _close() -> None:
-        for task in state.get("pollers", ()):
+        for task in pollers:
             task.cancel()
-        if "client" in state:
-            await state["client"].aclose()
+        for c in clients:
+            await c.aclose()
 
-    async def run_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> Response | None:
+    async def run_prefill(path: str, body: "JSONObject", headers: dict[str, str]) -> "Response | None":
         """None when the prefill went through (or failed on its side); a response for a client error."""
         up = pre.least_loaded()
         up.inflight += 1
@@ -121,9 +128,9 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
     async def generate(request: Request) -> Response:
         ensure_polling()
         path = request.url.path
-        body, invalid = await read_json_body(request)
-        if body is None:
-            return invalid
+        body = await read_json_body(request)
+        if not isinstance(body, dict):
+            return body
         headers = forward_headers(request.headers)
         early = await run_prefill(path, body, headers)
         if early is not None:
@@ -151,7 +158,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
         """ok when every instance says ok; degraded (200) when one is
         degraded or unreachable but each kind has one that answers."""
 
-        async def one(u: Replica) -> dict[str, Any]:
+        async def one(u: Replica) -> "JSONObject":
             try:
                 r = await client().get(u.url + "/health", timeout=2.0)
                 doc = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -171,7 +178,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout: float = 6
     return app
 
 
-def add_proxy_arguments(parser: argparse.ArgumentParser, registry: Any) -> None:
+def add_proxy_arguments(parser: argparse.ArgumentParser, registry: "PluginRegistry") -> None:
     parser.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (platform serve --role prefill)")
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (platform serve --role decode)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -180,7 +187,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser, registry: Any) -> None:
     parser.add_argument("--uvicorn-log-level", default="warning")
 
 
-def proxy(args: argparse.Namespace, registry: Any) -> int:
+def proxy(args: argparse.Namespace, registry: "PluginRegistry") -> int:
     import uvicorn
 
     from plinth.server.cli import _listen

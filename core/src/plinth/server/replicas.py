@@ -17,8 +17,16 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    from plinth.server.protocol import JSONObject
 
 log = logging.getLogger("plinth.replicas")
 
@@ -41,7 +49,7 @@ class Replica:
     running: float = 0.0
     kv_usage: float = 0.0
     scraped_at: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 def parse_gauges(text: str) -> dict[str, float]:
@@ -95,7 +103,7 @@ class ReplicaSet:
             for cb in self.on_down:
                 cb(r)
 
-    async def poll_once(self, client: Any) -> None:
+    async def poll_once(self, client: httpx.AsyncClient) -> None:
         async def one(r: Replica) -> None:
             try:
                 h = await client.get(r.url + "/health", timeout=self.interval)
@@ -116,14 +124,14 @@ class ReplicaSet:
 
         await asyncio.gather(*(one(r) for r in self.replicas))
 
-    async def run(self, client: Any) -> None:
+    async def run(self, client: httpx.AsyncClient) -> None:
         """Poll every replica until cancelled."""
         while True:
             started = time.monotonic()
             await self.poll_once(client)
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, dict[str, float]]:
         return {
             r.url: {"healthy": r.healthy, "inflight": r.inflight, "served": r.served, "failed": r.failed,
                     "waiting": r.waiting, "running": r.running, "kv_usage": r.kv_usage}  # fmt: skip
@@ -136,9 +144,9 @@ def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
 
 
-async def read_json_body(request: Any) -> tuple[dict[str, Any] | None, Any]:
-    """(the request's JSON object, None), or (None, the 400 answer to give)
-    when its body is not JSON or not an object: what both fronts check
+async def read_json_body(request: Request) -> JSONObject | JSONResponse:
+    """The request's JSON object, or the 400 answer to give when its body is
+    not JSON or not an object: what both fronts check
     before they choose a replica. The answer has the server's own error body
     for the route (``plinth.server.errors``: Anthropic's on /v1/messages,
     else OpenAI's)."""
@@ -150,12 +158,12 @@ async def read_json_body(request: Any) -> tuple[dict[str, Any] | None, Any]:
         problem = "the body is not valid JSON"
     else:
         if isinstance(body, dict):
-            return body, None
+            return body
         problem = "the body must be a JSON object"
-    return None, error_response(request.url.path, APIError.bad_request(problem))
+    return error_response(request.url.path, APIError.bad_request(problem))
 
 
-def upstream_failed(path: str, message: str) -> Any:
+def upstream_failed(path: str, message: str) -> JSONResponse:
     """A front's 502 when no instance could take the request (unreachable,
     or none up), with the server's error body for the route."""
     from plinth.server.errors import APIError, error_response
@@ -163,7 +171,7 @@ def upstream_failed(path: str, message: str) -> Any:
     return error_response(path, APIError(502, message, code="upstream_unavailable"))
 
 
-async def open_stream(client: Any, up: Replica, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+async def open_stream(client: httpx.AsyncClient, up: Replica, path: str, body: JSONObject, headers: dict[str, str]) -> httpx.Response:
     """POST ``body`` to ``up`` and return its response once the headers are in
     (the body still to stream). The request counts in ``up.inflight`` from here
     until ``relay`` ends; on failure it no longer counts and ``up.failed`` grows."""
@@ -176,7 +184,9 @@ async def open_stream(client: Any, up: Replica, path: str, body: dict[str, Any],
         raise
 
 
-def relay(up: Replica, r: Any, replicas: ReplicaSet, outcome: Callable[[Replica, str], None] | None = None) -> Any:
+def relay(
+    up: Replica, r: httpx.Response, replicas: ReplicaSet, outcome: Callable[[Replica, str], None] | None = None
+) -> StreamingResponse:
     """A response that streams ``r`` (from ``open_stream``) to the client as it
     arrives, unchanged. When it ends, or the client leaves, the request stops
     counting in ``up.inflight``; a replica that dies mid-answer is marked down

@@ -13,17 +13,37 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import ConfigDict, Discriminator, Field, Tag, WithJsonSchema
+from pydantic import ConfigDict, Discriminator, Field, JsonValue, Tag, WithJsonSchema
 
+from plinth.engine.sampling_params import SamplingParams
 from plinth.server.errors import APIError
 from plinth.server.generation import Done, Event, Failed, GenerationPipeline, GenerationSpec, Result, Started, Usage
-from plinth.server.protocol import FLOAT32_MAX, SEED_MAX, SEED_MIN, _Request, _Response
-from plinth.server.serving import STREAM_RESPONSE, ServingContext, now_s, random_id, sse_event
-from plinth.server.tools import ToolPlan, arguments_object, openai_tools, plan_tools
+from plinth.server.protocol import (
+    FREE_TEXT,
+    OPENAI_FORCING,
+    Bounded,
+    Int,
+    JSONObject,
+    _Request,
+    _Response,
+    forced_call_rules,
+)
+from plinth.server.serving import (
+    STREAM_RESPONSE,
+    ServingContext,
+    TemplateMessage,
+    TemplateToolCall,
+    now_s,
+    random_id,
+    sse_event,
+    with_calls,
+)
+from plinth.server.tools import ToolPlan, arguments_object, make_tools, plan_tools
 
 
 class TextPart(_Request):
@@ -67,12 +87,12 @@ class ReasoningItem(_Request):
 
     type: Literal["reasoning"]
     id: str | None = None
-    summary: list[dict[str, Any]] = Field(default_factory=list)
-    content: list[dict[str, Any]] | None = None
+    summary: list[JSONObject] = Field(default_factory=list)
+    content: list[JSONObject] | None = None
     encrypted_content: str | None = None
 
 
-def _item_kind(v: Any) -> str | None:
+def _item_kind(v: object) -> str | None:
     # a message may leave out its type (OpenAI's "easy input message")
     if isinstance(v, dict):
         return v.get("type", "message")
@@ -92,7 +112,7 @@ class FunctionTool(_Request):
     type: Literal["function"]
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 
@@ -109,7 +129,7 @@ class JSONSchemaFormat(_Request):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     type: Literal["json_schema"]
     name: str = "output"
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: JSONObject = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None
 
@@ -119,12 +139,19 @@ class TextConfig(_Request):
 
 
 class ResponsesRequest(_Request):
+    model_config = ConfigDict(
+        extra="ignore",
+        protected_namespaces=(),
+        strict=True,
+        json_schema_extra=forced_call_rules(OPENAI_FORCING, {"text": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"format": FREE_TEXT}}]}}),
+    )
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: Annotated[Int | None, Bounded("max_tokens")] = None
+    temperature: Annotated[float | None, Bounded("temperature")] = None
+    top_p: Annotated[float | None, Bounded("top_p")] = None
     stream: bool = False
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
@@ -135,7 +162,11 @@ class ResponsesRequest(_Request):
     previous_response_id: Annotated[str | None, WithJsonSchema({"type": "null"})] = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Annotated[Int | None, Bounded("seed")] = None
+
+    def sampling_params(self) -> SamplingParams:
+        given = SamplingParams.given(temperature=self.temperature, top_p=self.top_p)
+        return SamplingParams(max_tokens=self.max_output_tokens, seed=self.seed, **given)
 
 
 class ResponseObject(_Response):
@@ -144,18 +175,18 @@ class ResponseObject(_Response):
     created_at: int
     status: Literal["completed", "incomplete", "in_progress", "failed"]
     model: str
-    output: list[dict[str, Any]]
-    usage: dict[str, Any] | None = None
-    incomplete_details: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
+    output: list[JSONObject]
+    usage: JSONObject | None = None
+    incomplete_details: dict[str, str] | None = None
+    error: JSONObject | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-    tool_choice: Any = "auto"
+    tools: list[JSONObject] = Field(default_factory=list)
+    tool_choice: str | JSONObject = "auto"
     parallel_tool_calls: bool = True
-    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    text: JSONObject = Field(default_factory=lambda: {"format": {"type": "text"}})
     metadata: dict[str, str] = Field(default_factory=dict)
     store: bool = False
     previous_response_id: str | None = None
@@ -166,36 +197,35 @@ def _text_of(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "\n".join(p.text for p in content)
 
 
-def input_messages(req: ResponsesRequest, *, native_tool_calls: bool) -> list[dict[str, Any]]:
-    msgs: list[dict[str, Any]] = []
+def input_messages(req: ResponsesRequest, *, native_tool_calls: bool) -> list[TemplateMessage]:
+    """The input items as the chat template expects them; consecutive
+    function calls join one assistant message (``with_calls``)."""
+    msgs: list[TemplateMessage] = []
     if req.instructions:
         msgs.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
         msgs.append({"role": "user", "content": req.input})
         return msgs
+    calls: list[TemplateToolCall] = []  # the calls of the assistant turn being read
     for item in req.input:
+        if isinstance(item, FunctionCallItem):
+            args = arguments_object(item.arguments)
+            calls.append({"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}})
+            continue
+        if calls:
+            msgs.append(with_calls({"role": "assistant", "content": ""}, calls, native_tool_calls))
+            calls = []
         if isinstance(item, MessageItem):
             msgs.append({"role": "system" if item.role == "developer" else item.role, "content": _text_of(item.content)})
-        elif isinstance(item, FunctionCallItem):
-            args = arguments_object(item.arguments)
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}}
-            last = msgs[-1] if msgs else None
-            if native_tool_calls:
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)
-                else:
-                    msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            else:
-                msgs.append({"role": "assistant", "content": json.dumps({"name": item.name, "arguments": args})})
         elif isinstance(item, FunctionCallOutputItem):
             msgs.append({"role": "tool", "tool_call_id": item.call_id, "content": _text_of(item.output)})
         # reasoning items are not shown to the model again
-    if not any(m["role"] != "system" for m in msgs):
-        raise APIError.bad_request("input must hold at least one message", param="input")
+    if calls:
+        msgs.append(with_calls({"role": "assistant", "content": ""}, calls, native_tool_calls))
     return msgs
 
 
-def response_format(text: TextConfig | None) -> dict[str, Any] | None:
+def response_format(text: TextConfig | None) -> JSONObject | None:
     fmt = text.format if text is not None else None
     if fmt is None:
         return None
@@ -212,9 +242,9 @@ class ResponsesServing:
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
-        if req.previous_response_id:
+        if req.previous_response_id is not None:
             raise APIError.bad_request("this server keeps no responses (stateless): send the whole conversation as input", param="previous_response_id")
-        tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []], flat=True)
+        tools = make_tools((t.name, t.description, t.parameters) for t in req.tools or [])
         tc = req.tool_choice
         mode, named = (tc, None) if not isinstance(tc, NamedFunctionChoice) else ("named", tc.name)
         plan = plan_tools(tools, mode, named, req.parallel_tool_calls is not False)
@@ -222,8 +252,7 @@ class ResponsesServing:
             request_id=random_id("resp_"),
             messages=input_messages(req, native_tool_calls=ctx.native_tool_calls),
             prompt_param="input",
-            sampling=dict(temperature=req.temperature, top_p=req.top_p, seed=req.seed),
-            max_tokens=req.max_output_tokens,
+            params=req.sampling_params(),
             response_format=response_format(req.text),
             plan=plan,
         )
@@ -250,7 +279,7 @@ class ResponsesServing:
             temperature=req.temperature,
             top_p=req.top_p,
             tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
-            tool_choice=_dump(req.tool_choice) or ("auto" if plan.tools else "none"),
+            tool_choice=_tool_choice(req.tool_choice, plan),
             parallel_tool_calls=req.parallel_tool_calls is not False,
             text=req.text.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"format": {"type": "text"}},
             metadata=req.metadata or {},
@@ -259,24 +288,52 @@ class ResponsesServing:
     @staticmethod
     def _body(shell: ResponseObject, result: Result) -> ResponseObject:
         c = result.choices[0]
-        items: list[dict[str, Any]] = []
+        items: list[OutputItem] = []
         if c.reasoning:
-            items.append(_reasoning(c.reasoning))
+            items.append(OutputItem("reasoning", c.reasoning))
         if c.content or not c.calls:
-            items.append(_message(c.content))
+            items.append(OutputItem("message", c.content))
         for call in c.calls:
-            items.append(_function_call(call.id, call.name, call.arguments))
+            items.append(OutputItem("function_call", call.arguments, name=call.name, call_id=call.id))
         return _finish(shell, result.usage, c.finish_reason, items)
 
 
-def _finish(shell: ResponseObject, usage: Usage, finish: str | None, items: list[dict[str, Any]]) -> ResponseObject:
+_ID_PREFIX = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_"}
+
+
+@dataclass
+class OutputItem:
+    """One item of the answer while it is written: a message, reasoning, or a function call."""
+
+    kind: Literal["message", "reasoning", "function_call"]
+    #: the message's or the reasoning's text, or the call's arguments (JSON text)
+    text: str = ""
+    name: str = ""
+    call_id: str = ""
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or random_id(_ID_PREFIX[self.kind])
+
+    def part(self) -> JSONObject:
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+
+    def as_json(self, status: str = "completed", *, parts: bool = True) -> JSONObject:
+        if self.kind == "message":
+            return {"type": "message", "id": self.id, "status": status, "role": "assistant", "content": [self.part()] if parts else []}
+        if self.kind == "reasoning":
+            content: JsonValue = [{"type": "reasoning_text", "text": self.text}]
+            return {"type": "reasoning", "id": self.id, "summary": [], "content": content, "status": status}
+        return {"type": "function_call", "id": self.id, "call_id": self.call_id, "name": self.name, "arguments": self.text, "status": status}
+
+
+def _finish(shell: ResponseObject, usage: Usage, finish: str | None, items: list[OutputItem]) -> ResponseObject:
     out = shell.model_copy(deep=True)
-    out.output = items
-    out.status = "incomplete" if finish == "length" else "completed"
-    if finish == "length":
+    length = finish == "length"
+    out.output = [item.as_json("incomplete" if length else "completed") for item in items]
+    out.status = "incomplete" if length else "completed"
+    if length:
         out.incomplete_details = {"reason": "max_output_tokens"}
-        for item in items:
-            item["status"] = "incomplete"
     out.usage = {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens},
@@ -295,11 +352,11 @@ class _ResponseStream:
     def __init__(self, shell: ResponseObject) -> None:
         self.shell = shell
         self.seq = 0
-        self.items: list[dict[str, Any]] = []  # finished items, in order
-        self.cur: dict[str, Any] | None = None  # the open item
+        self.items: list[OutputItem] = []  # finished items, in order
+        self.cur: OutputItem | None = None  # the open item
         self.finish: str | None = None
 
-    def _ev(self, kind: str, **data: Any) -> str:
+    def _ev(self, kind: str, **data: JsonValue) -> str:
         self.seq += 1
         return sse_event(kind, json.dumps({"type": kind, "sequence_number": self.seq - 1, **data}))
 
@@ -312,33 +369,38 @@ class _ResponseStream:
             return []
         idx = len(self.items)
         ev = []
-        if cur["type"] == "message":
-            part = cur["content"][0]
-            ev.append(self._ev("response.output_text.done", item_id=cur["id"], output_index=idx, content_index=0, text=part["text"], logprobs=[]))
-            ev.append(self._ev("response.content_part.done", item_id=cur["id"], output_index=idx, content_index=0, part=part))
-        elif cur["type"] == "reasoning":
-            text = cur["content"][0]["text"]
-            ev.append(self._ev("response.reasoning_text.done", item_id=cur["id"], output_index=idx, content_index=0, text=text))
+        if cur.kind == "message":
+            ev.append(self._ev("response.output_text.done", item_id=cur.id, output_index=idx, content_index=0, text=cur.text, logprobs=[]))
+            ev.append(self._ev("response.content_part.done", item_id=cur.id, output_index=idx, content_index=0, part=cur.part()))
+        elif cur.kind == "reasoning":
+            ev.append(self._ev("response.reasoning_text.done", item_id=cur.id, output_index=idx, content_index=0, text=cur.text))
         else:
-            ev.append(self._ev("response.function_call_arguments.done", item_id=cur["id"], output_index=idx, name=cur["name"], arguments=cur["arguments"]))
-        cur["status"] = "completed"
-        ev.append(self._ev("response.output_item.done", output_index=idx, item=cur))
+            ev.append(self._ev("response.function_call_arguments.done", item_id=cur.id, output_index=idx, name=cur.name, arguments=cur.text))
+        ev.append(self._ev("response.output_item.done", output_index=idx, item=cur.as_json()))
         self.items.append(cur)
         self.cur = None
         return ev
 
-    def _open(self, item: dict[str, Any]) -> list[str]:
+    def _open(self, item: OutputItem) -> list[str]:
         ev = self._close()
         self.cur = item
         idx = len(self.items)
-        added = dict(item, status="in_progress")
-        if item["type"] == "message":
-            added["content"] = []
-        ev.append(self._ev("response.output_item.added", output_index=idx, item=added))
-        if item["type"] == "message":
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            ev.append(self._ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0, part=part))
+        ev.append(self._ev("response.output_item.added", output_index=idx, item=item.as_json("in_progress", parts=False)))
+        if item.kind == "message":
+            ev.append(self._ev("response.content_part.added", item_id=item.id, output_index=idx, content_index=0, part=item.part()))
         return ev
+
+    def _write(self, kind: Literal["message", "reasoning"], text: str) -> list[str]:
+        """Text added to the open message or reasoning (opened when another kind is open)."""
+        out = [] if self.cur is not None and self.cur.kind == kind else self._open(OutputItem(kind))
+        assert self.cur is not None
+        self.cur.text += text
+        idx = len(self.items)
+        if kind == "reasoning":
+            out.append(self._ev("response.reasoning_text.delta", item_id=self.cur.id, output_index=idx, content_index=0, delta=text))
+        else:
+            out.append(self._ev("response.output_text.delta", item_id=self.cur.id, output_index=idx, content_index=0, delta=text, logprobs=[]))
+        return out
 
     def event(self, ev: Event) -> Iterable[str]:
         if isinstance(ev, Started):
@@ -349,32 +411,20 @@ class _ResponseStream:
         if isinstance(ev, Done):
             out = []
             if self.cur is None and not self.items:
-                out += self._open(_message(""))
+                out += self._open(OutputItem("message"))
             out += self._close()
             done = _finish(self.shell, ev.usage, self.finish, self.items)
             out.append(self._ev("response.completed" if done.status == "completed" else "response.incomplete", response=done.model_dump()))
             return out
-        out = []
-        idx = len(self.items)
-        if ev.reasoning:
-            if self.cur is None or self.cur["type"] != "reasoning":
-                out += self._open(_reasoning(""))
-                idx = len(self.items)
-            self.cur["content"][0]["text"] += ev.reasoning
-            out.append(self._ev("response.reasoning_text.delta", item_id=self.cur["id"], output_index=idx, content_index=0, delta=ev.reasoning))
+        out = self._write("reasoning", ev.reasoning) if ev.reasoning else []
         if ev.content:
-            if self.cur is None or self.cur["type"] != "message":
-                out += self._open(_message(""))
-                idx = len(self.items)
-            self.cur["content"][0]["text"] += ev.content
-            out.append(self._ev("response.output_text.delta", item_id=self.cur["id"], output_index=idx, content_index=0, delta=ev.content, logprobs=[]))
+            out += self._write("message", ev.content)
         for cd in ev.calls:
             if cd.name is not None:
-                out += self._open(_function_call(cd.id or "", cd.name, ""))
-                idx = len(self.items)
-            if cd.arguments and self.cur is not None and self.cur["type"] == "function_call":
-                self.cur["arguments"] += cd.arguments
-                out.append(self._ev("response.function_call_arguments.delta", item_id=self.cur["id"], output_index=idx, delta=cd.arguments))
+                out += self._open(OutputItem("function_call", name=cd.name, call_id=cd.id or ""))
+            if cd.arguments and self.cur is not None and self.cur.kind == "function_call":
+                self.cur.text += cd.arguments
+                out.append(self._ev("response.function_call_arguments.delta", item_id=self.cur.id, output_index=len(self.items), delta=cd.arguments))
         if ev.finish_reason:
             self.finish = ev.finish_reason
         return out
@@ -383,26 +433,10 @@ class _ResponseStream:
         return ()
 
 
-def _dump(v: Any) -> Any:
-    return v.model_dump() if hasattr(v, "model_dump") else v
-
-
-def _message(text: str) -> dict[str, Any]:
-    return {
-        "type": "message",
-        "id": random_id("msg_"),
-        "status": "completed",
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
-    }
-
-
-def _reasoning(text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": random_id("rs_"), "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
-
-
-def _function_call(cid: str, name: str, arguments: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": random_id("fc_"), "call_id": cid, "name": name, "arguments": arguments, "status": "completed"}
+def _tool_choice(choice: str | NamedFunctionChoice | None, plan: ToolPlan) -> str | JSONObject:
+    if choice is None:
+        return "auto" if plan.tools else "none"
+    return choice if isinstance(choice, str) else choice.model_dump()
 
 
 def router(serving: ResponsesServing) -> APIRouter:

@@ -39,7 +39,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 from plinth.engine.block_manager import hash_page
 from plinth.server.proxy import ROUTES
@@ -53,6 +54,20 @@ from plinth.server.replicas import (
     upstream_failed,
 )
 
+if TYPE_CHECKING:
+    import httpx
+    import zmq
+    from fastapi import FastAPI
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from plinth.plugins import PluginRegistry
+    from plinth.server.protocol import JSONObject
+    from plinth.tokenizer import Tokenizer
+
+#: a decoded KV event batch, ``[ts, events, dp_rank]`` (msgpack: untyped until read)
+EventBatch = list[object]
+
 log = logging.getLogger("plinth.router")
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
@@ -63,17 +78,18 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self.keys: Counter[int] = Counter()
-        self.by_hash: dict[Any, int] = {}  # the engine's block hash -> our key
+        self.by_hash: dict[Hashable, int] = {}  # the engine's block hash -> our key
         self.block_size = 0
         self.lock = threading.Lock()
         self.last_seq = -1
         self.batches = 0
 
-    def apply(self, batch: Any) -> None:
+    def apply(self, batch: EventBatch) -> None:
         """One decoded batch ``[ts, events, dp_rank]``; events as maps (vLLM 0.32) or tagged arrays."""
         with self.lock:
             self.batches += 1
-            for ev in batch[1]:
+            events = batch[1] if len(batch) > 1 else []
+            for ev in events if isinstance(events, list) else []:
                 if isinstance(ev, dict):
                     tag = ev.get("type")
                     hashes, parent, tokens, size = ev.get("block_hashes"), ev.get("parent_block_hash"), ev.get("token_ids"), ev.get("block_size")
@@ -93,7 +109,7 @@ class PrefixIndex:
                 elif tag == "AllBlocksCleared":
                     self.clear_locked()
 
-    def _stored(self, hashes: list[Any] | None, parent: Any, tokens: list[int] | None, size: int | None) -> None:
+    def _stored(self, hashes: list[object] | None, parent: object, tokens: list[int] | None, size: int | None) -> None:
         if hashes is None or tokens is None or size is None:  # a location-only update: no tokens to key pages by
             return
         self.block_size = size
@@ -126,7 +142,7 @@ class PrefixIndex:
         return n
 
 
-def _hashable(h: Any) -> Any:
+def _hashable(h: object) -> Hashable:
     return bytes(h) if isinstance(h, (bytearray, memoryview)) else h
 
 
@@ -205,14 +221,14 @@ class EventSubscriber:
             if replay is not None:
                 replay.close(linger=0)
 
-    def _apply(self, seq: int, payload: bytes, decode: Callable[[bytes], Any]) -> None:
+    def _apply(self, seq: int, payload: bytes, decode: Callable[[bytes], EventBatch]) -> None:
         try:
             self.index.apply(decode(payload))
         except Exception as exc:  # noqa: BLE001 - a bad batch must not stop the subscriber
             log.warning("KV events from %s: undecodable batch %d: %s", self.endpoint, seq, exc)
         self.index.last_seq = seq
 
-    def _fill_gap(self, replay: Any, seq: int | None, decode: Callable[[bytes], Any]) -> None:
+    def _fill_gap(self, replay: "zmq.Socket[bytes] | None", seq: int | None, decode: Callable[[bytes], EventBatch]) -> None:
         """Apply batches ``last_seq + 1 .. seq - 1`` (None: all) from the replay socket (those it still buffers)."""
         first = self.index.last_seq + 1
         if replay is not None:
@@ -281,11 +297,11 @@ class PromptTokens:
     block keys match the replicas' KV events. None when the request has no
     single prompt to score by or is invalid (the replica answers the error)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: "Tokenizer") -> None:
         self.tokenizer = tokenizer
         self.native_tool_calls = "tool_calls" in (getattr(tokenizer, "chat_template", None) or "")
 
-    def __call__(self, path: str, body: dict[str, Any]) -> list[int] | None:
+    def __call__(self, path: str, body: "JSONObject") -> list[int] | None:
         from pydantic import ValidationError
 
         from plinth.errors import PlinthError
@@ -296,7 +312,7 @@ class PromptTokens:
         except (APIError, ValidationError, PlinthError, ValueError, TypeError, KeyError):
             return None
 
-    def _tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+    def _tokens(self, path: str, body: "JSONObject") -> list[int] | None:
         from plinth.server.anthropic_api import anthropic_messages, tool_plan
         from plinth.server.openai_api import chat_messages, chat_tool_plan
         from plinth.server.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest
@@ -325,7 +341,7 @@ class PromptTokens:
         return ids
 
 
-def _tokenize_request(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+def _tokenize_request(path: str, body: "JSONObject") -> "JSONObject | None":
     """The fallback: what to send to a replica's /tokenize for this request (None: nothing to score by)."""
     if path == "/v1/completions":
         p = body.get("prompt")
@@ -341,16 +357,16 @@ def _tokenize_request(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         if path == "/v1/messages" and body.get("system"):
             system = body["system"]
             if isinstance(system, list):
-                system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
+                system = "".join(str(b.get("text", "")) for b in system if isinstance(b, dict))
             msgs = [{"role": "system", "content": system}, *msgs]
         return {"messages": [_text_message(m) for m in msgs if isinstance(m, dict)]}
     return None
 
 
-def _text_message(m: dict[str, Any]) -> dict[str, Any]:
+def _text_message(m: "JSONObject") -> "JSONObject":
     content = m.get("content")
     if isinstance(content, list):  # content blocks: their text is what shapes the prefix
-        content = "".join(b.get("text", "") for b in content if isinstance(b, dict))
+        content = "".join(str(b.get("text", "")) for b in content if isinstance(b, dict))
     return {"role": m.get("role", "user"), "content": content if isinstance(content, str) else ""}
 
 
@@ -396,7 +412,7 @@ class Router:
         weights: tuple[float, float, float],
         interval: float,
         timeout: float,
-        tokenizer: Any,
+        tokenizer: "Tokenizer | None",
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
@@ -420,10 +436,10 @@ class Router:
             for i, (r, ep) in enumerate(zip(self.replicas.replicas, events or []))
         ]
         self.scores_prefix = bool(events)
-        self._client: Any = None
+        self._client: "httpx.AsyncClient | None" = None
         self._poller: asyncio.Task[None] | None = None
 
-    def client(self) -> Any:
+    def client(self) -> "httpx.AsyncClient":
         import httpx
 
         if self._client is None:
@@ -444,7 +460,7 @@ class Router:
         if self._client is not None:
             await self._client.aclose()
 
-    async def tokens(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> list[int] | None:
+    async def tokens(self, path: str, body: "JSONObject", headers: dict[str, str]) -> list[int] | None:
         """The request's prompt tokens: computed here, else by a replica's /tokenize."""
         import httpx
 
@@ -453,8 +469,9 @@ class Router:
         doc = _tokenize_request(path, body)
         if doc is None:
             return None
-        if "tokens" in doc:
-            return doc["tokens"]
+        given = doc.get("tokens")
+        if isinstance(given, list):
+            return [t for t in given if isinstance(t, int)]
         try:
             resp = await self.client().post(self.replicas.round_robin().url + "/tokenize", json=doc, headers=headers, timeout=5.0)
             if resp.status_code == 200:
@@ -463,7 +480,7 @@ class Router:
             pass
         return None  # routed without prefix affinity
 
-    async def candidates(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> list[Replica]:
+    async def candidates(self, path: str, body: "JSONObject", headers: dict[str, str]) -> list[Replica]:
         """The replicas to try, best first."""
         if self.policy == "round-robin":
             first = self.replicas.round_robin()
@@ -481,15 +498,15 @@ class Router:
             return [r for _, r, _ in ranked]
         return [first] + [r for r in self.replicas.up() if r is not first]
 
-    async def generate(self, request: Any) -> Any:
+    async def generate(self, request: "Request") -> "Response":
         """Every generation route: the best replica that can be reached gets the request, unchanged."""
         import httpx
 
         self.ensure_polling()
         path = request.url.path
-        body, invalid = await read_json_body(request)
-        if body is None:
-            return invalid
+        body = await read_json_body(request)
+        if not isinstance(body, dict):
+            return body
         headers = forward_headers(request.headers)
         last = "no replica"
         for up in await self.candidates(path, body, headers):
@@ -503,7 +520,7 @@ class Router:
             return relay(up, r, self.replicas, self.metrics.outcome)
         return upstream_failed(path, f"no replica could take the request ({last})")
 
-    async def models(self, request: Any) -> Any:
+    async def models(self, request: "Request") -> "Response":
         import httpx
         from fastapi.responses import Response
 
@@ -516,7 +533,7 @@ class Router:
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return upstream_failed(request.url.path, "no replica answers")
 
-    def health(self) -> tuple[dict[str, Any], int]:
+    def health(self) -> "tuple[JSONObject, int]":
         """ok when every replica is healthy, degraded (200) while one is, unavailable (503) when none is."""
         self.ensure_polling()
         n = sum(r.healthy for r in self.replicas.replicas)
@@ -538,8 +555,8 @@ def build_router_app(
     queue_weight: float = 1.0,
     interval: float = 1.0,
     timeout: float = 600.0,
-    tokenizer: Any = None,
-) -> Any:
+    tokenizer: "Tokenizer | None" = None,
+) -> "FastAPI":
     """The router's FastAPI app; ``tokenizer``: the replicas' model's (None: their /tokenize)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
@@ -583,7 +600,7 @@ def build_router_app(
     return app
 
 
-def add_router_arguments(parser: argparse.ArgumentParser, registry: Any) -> None:
+def add_router_arguments(parser: argparse.ArgumentParser, registry: "PluginRegistry") -> None:
     parser.add_argument("--replicas", nargs="+", required=True, metavar="URL", help="the servers to route over (platform serve, or any OpenAI-compatible server)")
     parser.add_argument(
         "--kv-events", nargs="+", default=None, metavar="ENDPOINT",
@@ -609,7 +626,7 @@ def add_router_arguments(parser: argparse.ArgumentParser, registry: Any) -> None
     parser.add_argument("--uvicorn-log-level", default="warning")
 
 
-def router(args: argparse.Namespace, registry: Any) -> int:
+def router(args: argparse.Namespace, registry: "PluginRegistry") -> int:
     import uvicorn
 
     from plinth.errors import ConfigError

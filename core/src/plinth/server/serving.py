@@ -1,4 +1,4 @@
-"""What the routes share: the served model, prompts, sampling parameters,
+"""What the routes share: the served model, prompts and chat messages,
 structured output, and running a request on the engine with its errors
 answered before the first byte and its pages freed when the client leaves.
 The generation path built from these is plinth.server.generation."""
@@ -7,24 +7,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
+import json
 import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import anyio
+from pydantic import JsonValue
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
+from plinth.engine.interfaces import EngineClient
 from plinth.engine.outputs import RequestOutput
 from plinth.engine.sampling_params import SamplingParams
 from plinth.errors import PlinthError, RequestError
 from plinth.server.errors import APIError, engine_exception
 from plinth.server.metrics import RequestTracker, ServerMetrics
-from plinth.server.protocol import FLOAT32_MAX
+from plinth.server.protocol import JSONObject
+from plinth.server.tools import OutputParser, ToolPlan
+from plinth.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from plinth.engine.grammar import GrammarState
+    from plinth.plugins import PluginRegistry
+    from plinth.server.structured import GrammarCompiler
 
 T = TypeVar("T")
 
@@ -45,7 +55,7 @@ class ServerSettings:
     tool_call_parser: str | None = "auto"
     reasoning_parser: str | None = "auto"
     #: the plugin registry to find parsers in (discovered when needed and not given)
-    registry: Any = None
+    registry: PluginRegistry | None = None
 
 
 class ClientDisconnected(Exception):
@@ -60,7 +70,7 @@ def now_s() -> int:
     return int(time.time())
 
 
-def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+def encode_text(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
     """A prompt's token ids, as every route (and `platform router`) computes them."""
     try:
         text.encode("utf-8")
@@ -69,22 +79,58 @@ def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = True, p
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+class TemplateFunction(TypedDict):
+    name: str
+    arguments: JSONObject  # as templates render them: an object, not JSON text
+
+
+class TemplateToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: TemplateFunction
+
+
+class _Turn(TypedDict):
+    role: str
+    content: str
+
+
+class TemplateMessage(_Turn, total=False):
+    """A chat message as chat templates take it."""
+
+    name: str
+    tool_call_id: str
+    tool_calls: list[TemplateToolCall]
+
+
+def with_calls(msg: TemplateMessage, calls: list[TemplateToolCall], native: bool) -> TemplateMessage:
+    """An assistant message with its tool calls: as ``tool_calls`` for a
+    template that renders them, else as JSON lines after its text, so the
+    model still sees what it called."""
+    if native:
+        return {**msg, "tool_calls": calls}
+    shown = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) for c in calls)
+    return {**msg, "content": f"{msg['content']}\n{shown}" if msg["content"] else shown}
+
+
 def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
+    tokenizer: Tokenizer,
+    messages: list[TemplateMessage],
     *,
     add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
-    tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: JSONObject | None = None,
+    tools: list[JSONObject] | None = None,
 ) -> tuple[str, list[int]]:
     """The chat template applied to ``messages``: (text, token ids). One
     function for the server and `platform router`, so the router's block
-    hashes are the replicas'."""
-    kwargs = dict(template_kwargs or {})
-    if tools:
-        kwargs["tools"] = tools
+    hashes are the replicas'. ``continue_final_message``: the text ends where
+    the last message's content does (as transformers' option), so the model
+    continues it."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools or None, **(template_kwargs or {})
+        )
     except PlinthError as exc:  # e.g. a model without a chat template
         raise APIError.bad_request(f"{exc}; use /v1/completions with a plain prompt", param="messages") from None
     except TypeError as exc:
@@ -97,9 +143,13 @@ def render_chat(
         if type(exc).__module__.startswith("jinja2"):
             raise APIError.bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
         raise
-    if not isinstance(text, str):  # a tokenizer that returns ids
-        ids = list(text)
-        return tokenizer.decode(ids, skip_special_tokens=False), ids
+    if continue_final_message and messages:
+        final = messages[-1]["content"].strip()
+        if final not in text:
+            raise APIError.bad_request(
+                "continue_final_message: the chat template does not show the last message's content", param="messages"
+            )
+        text = text[: text.rindex(final) + len(final)]
     return text, encode_text(tokenizer, text, add_special_tokens=False, param="messages")
 
 
@@ -111,13 +161,13 @@ def render_chat(
 class ServingContext:
     """The engine and everything derived from it, shared by the routes of one app."""
 
-    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.model_name = settings.served_model_names[0]
         self.metrics = ServerMetrics(engine, self.model_name, vllm_names=settings.vllm_metric_names) if settings.enable_metrics else None
-        self._grammars: Any = None
+        self._grammars: GrammarCompiler | None = None
         self._token_strs: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
         self._text_widths: dict[int, int] = {}
@@ -139,7 +189,7 @@ class ServingContext:
         tool_cls, reasoning_cls = (resolve_parser(s.registry, c, n, template) for c, n in wanted)
         return tool_cls, reasoning_cls
 
-    def output_parser(self, plan: Any, prompt: str, *, reasoning: bool = True, id_prefix: str = "call_") -> Any:
+    def output_parser(self, plan: ToolPlan | None, prompt: str, *, reasoning: bool = True, id_prefix: str = "call_") -> OutputParser:
         """The per-choice reader of reasoning and tool calls for a request."""
         from plinth.server.tools import OutputParser
 
@@ -152,25 +202,7 @@ class ServingContext:
         """Whether the chat template renders an assistant's tool_calls itself."""
         return "tool_calls" in (getattr(self.tokenizer, "chat_template", None) or "")
 
-    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
-        """OpenAI's logit_bias ({"token id": -100..100}) checked against the vocabulary."""
-        if not bias:
-            return None
-        vocab = self.engine.model_config.vocab_size
-        out = {}
-        for key, value in bias.items():
-            try:
-                tid = int(key)
-            except (TypeError, ValueError):
-                raise APIError.bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-            if not 0 <= tid < vocab:
-                raise APIError.bad_request(f"logit_bias: token id {tid} is outside the vocabulary [0, {vocab})", param="logit_bias")
-            if not isinstance(value, (int, float)) or not -100 <= value <= 100:
-                raise APIError.bad_request(f"logit_bias values must be in [-100, 100], got {value!r}", param="logit_bias")
-            out[tid] = float(value)
-        return out
-
-    def needs_special_tokens(self, plan: Any) -> bool:
+    def needs_special_tokens(self, plan: ToolPlan | None) -> bool:
         """Formats whose markers are special tokens need them kept in the text."""
         return plan is not None and plan.mode == "auto" and bool(getattr(self.tool_parser_cls, "needs_special_tokens", False))
 
@@ -196,15 +228,21 @@ class ServingContext:
 
     def chat_prompt(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[TemplateMessage],
         *,
         add_generation_prompt: bool = True,
-        template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: JSONObject | None = None,
+        tools: list[JSONObject] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat template applied to ``messages``: (text, token ids)."""
         return render_chat(
-            self.tokenizer, messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs, tools=tools
+            self.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+            tools=tools,
         )
 
     def token_str(self, token_id: int) -> str:
@@ -236,7 +274,7 @@ class ServingContext:
             self._token_bytes[token_id] = b
         return list(b)
 
-    def check_prompt_ids(self, ids: Sequence[Any], param: str = "prompt") -> list[int]:
+    def check_prompt_ids(self, ids: Sequence[int], param: str = "prompt") -> list[int]:
         vocab = self.engine.model_config.vocab_size
         out = []
         for t in ids:
@@ -245,28 +283,10 @@ class ServingContext:
             out.append(t)
         return out
 
-    # ---- sampling ------------------------------------------------------------------
-
-    def sampling_params(self, **kwargs: Any) -> SamplingParams:
-        clean = {k: v for k, v in kwargs.items() if v is not None}
-        for k, v in clean.items():
-            # the sampler computes in float32: 1e308 would become inf there, and NaN after
-            if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
-                raise APIError.bad_request(f"{k} must be a finite number (|x| <= {FLOAT32_MAX:.1e}), got {v}", param=k)
-        try:
-            return SamplingParams(**clean)
-        except RequestError as exc:
-            raise APIError.from_request_error(exc) from None
-        except TypeError as exc:
-            raise APIError.bad_request(f"invalid sampling parameters: {exc}") from None
-
-    def default_max_tokens(self, prompt_len: int) -> int:
-        return max(1, self.engine.max_model_len - prompt_len)
-
     # ---- structured output -----------------------------------------------------------
 
     @property
-    def grammars(self) -> Any:
+    def grammars(self) -> GrammarCompiler:
         if self._grammars is None:
             from plinth.server.structured import GrammarCompiler
 
@@ -276,8 +296,13 @@ class ServingContext:
         return self._grammars
 
     async def grammar(
-        self, response_format: Any = None, guided_json: Any = None, guided_regex: Any = None, *, forced: Any = None
-    ) -> Any:
+        self,
+        response_format: JSONObject | None = None,
+        guided_json: JSONObject | None = None,
+        guided_regex: str | None = None,
+        *,
+        forced: tuple[str, JsonValue] | None = None,
+    ) -> GrammarState | None:
         """A fresh grammar state for the request's structured-output fields, or None.
         forced: a ``(kind, spec)`` a tool choice imposes (it excludes the others)."""
         from plinth.server.structured import normalize
@@ -312,8 +337,8 @@ class ServingContext:
         # one turn of the loop runs generate() up to its first wait: it has
         # validated the request and checked the queue by then
         await asyncio.sleep(0)
-        if first.done() and not first.cancelled() and first.exception() is not None:
-            exc = first.exception()
+        exc = first.exception() if first.done() and not first.cancelled() else None
+        if exc is not None:
             await gen.aclose()
             err = engine_exception(exc)
             if err.status == 503:
@@ -326,7 +351,7 @@ _BYTE_DECODER: dict[str, int] | None = None
 _HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
-def _piece_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+def _piece_bytes(tokenizer: Tokenizer, token_id: int) -> bytes | None:
     global _BYTE_DECODER
     to_piece = getattr(tokenizer, "id_to_piece", None)
     kind = str(getattr(tokenizer, "vocab_type", "raw"))
@@ -355,7 +380,7 @@ def _piece_bytes(tokenizer: Any, token_id: int) -> bytes | None:
 class Generation:
     """A started engine request: iterate its outputs (with their deltas) once."""
 
-    def __init__(self, gen: Any, first: asyncio.Future, tracker: RequestTracker) -> None:
+    def __init__(self, gen: AsyncGenerator[RequestOutput, None], first: asyncio.Future[RequestOutput], tracker: RequestTracker) -> None:
         self.gen = gen
         self.first = first
         self.tracker = tracker
@@ -403,7 +428,7 @@ class Generation:
             asyncio.ensure_future(_quiet_aclose(self.gen))
 
 
-async def _quiet_aclose(agen: Any) -> None:
+async def _quiet_aclose(agen: AsyncGenerator[RequestOutput, None]) -> None:
     with contextlib.suppress(Exception):
         await agen.aclose()
 
@@ -482,12 +507,11 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], *, generations: Sequence[Generation] = (), **kwargs: Any) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(kwargs.pop("headers", None) or {})}
-        super().__init__(content, headers=headers, **kwargs)
+    def __init__(self, content: AsyncIterator[str], *, generations: Sequence[Generation] = ()) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.generations = list(generations)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -500,8 +524,20 @@ class SSEResponse(StreamingResponse):
 
 
 #: the OpenAPI description of a route's streamed answer (``stream: true``)
-STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "JSON, or with stream: true server-sent events"}
+STREAM_RESPONSE: dict[int | str, JSONObject] = {
+    200: {
+        "content": {
+            # OpenAPI 3.1: the schema of one event (its data is a JSON chunk, or [DONE])
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}},
+                }
+            }
+        },
+        "description": "JSON, or with stream: true server-sent events",
+    }
 }
 
 

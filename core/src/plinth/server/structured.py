@@ -28,9 +28,17 @@ import json
 import logging
 import re
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
 
 from plinth.errors import RequestError
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar as xgr
+
+    from plinth.tokenizer import Tokenizer
 
 log = logging.getLogger("plinth.server.structured")
 
@@ -42,7 +50,7 @@ def _clean(msg: str) -> str:
     return _XGR_PREFIX.sub("", str(msg).strip()).strip()
 
 
-def canonical(spec: Any) -> str:
+def canonical(spec: JsonValue) -> str:
     """The cache key of a spec: compact JSON. Key order is kept, not sorted:
     a schema's property order is the order the output must follow."""
     return json.dumps(spec, separators=(",", ":"), ensure_ascii=False)
@@ -53,7 +61,7 @@ def canonical(spec: Any) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _load_json(value: Any, param: str) -> Any:
+def _load_json(value: JsonValue, param: str) -> JsonValue:
     if isinstance(value, str):
         try:
             return json.loads(value)
@@ -62,7 +70,7 @@ def _load_json(value: Any, param: str) -> Any:
     return value
 
 
-def check_json_schema(schema: Any, param: str) -> None:
+def check_json_schema(schema: JsonValue, param: str) -> None:
     """A schema must be an object (or a boolean) that is valid against its
     metaschema (when jsonschema is installed; xgrammar checks the rest)."""
     if isinstance(schema, bool):
@@ -85,7 +93,7 @@ def check_json_schema(schema: Any, param: str) -> None:
         ) from None
 
 
-def _structural_tag(fmt: dict[str, Any], param: str) -> dict[str, Any]:
+def _structural_tag(fmt: dict[str, JsonValue], param: str) -> dict[str, JsonValue]:
     """Both structural-tag forms, as xgrammar's current one."""
     if "format" in fmt:
         tag = {"type": "structural_tag", "format": fmt["format"]}
@@ -121,10 +129,10 @@ def _structural_tag(fmt: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def normalize(
-    response_format: dict[str, Any] | None = None,
-    guided_json: Any = None,
+    response_format: dict[str, JsonValue] | None = None,
+    guided_json: JsonValue = None,
     guided_regex: str | None = None,
-) -> tuple[str, Any] | None:
+) -> tuple[str, JsonValue] | None:
     """The structured-output request as ``(kind, spec)``, or None for free text."""
     if guided_json is not None:
         schema = _load_json(guided_json, "guided_json")
@@ -176,7 +184,7 @@ def normalize(
 # ---------------------------------------------------------------------------
 
 
-def _vocab_type(value: Any) -> Any:
+def _vocab_type(value: object) -> xgr.VocabType:
     import xgrammar as xgr
 
     if isinstance(value, xgr.VocabType):
@@ -191,13 +199,13 @@ def _vocab_type(value: Any) -> Any:
     }[name]
 
 
-def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """xgrammar's view of our tokenizer, sized to the model's logits."""
     import xgrammar as xgr
 
     raw = tokenizer.raw_vocab()
     if isinstance(raw, dict):  # token -> id
-        vocab: list[Any] = [""] * (max(raw.values()) + 1 if raw else 0)
+        vocab: list[bytes] | list[str] = [""] * (max(raw.values()) + 1 if raw else 0)
         for tok, i in raw.items():
             vocab[i] = tok
     else:
@@ -207,7 +215,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -
     if getattr(tokenizer, "add_prefix_space", None) is not None:
         kwargs["add_prefix_space"] = bool(tokenizer.add_prefix_space)
     return xgr.TokenizerInfo(
-        vocab,
+        vocab,  # type: ignore[arg-type]  # one kind of entry, whichever the tokenizer has
         _vocab_type(getattr(tokenizer, "vocab_type", "raw")),
         vocab_size=vocab_size,
         stop_token_ids=[t for t in stop_token_ids if 0 <= t < vocab_size],
@@ -223,7 +231,7 @@ _STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _STRICT_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
 
 
-def json_schema_grammar(schema_json: str) -> Any:
+def json_schema_grammar(schema_json: str) -> xgr.Grammar:
     """xgrammar's grammar for a JSON schema (compact separators, no runs of
     whitespace), with string characters as strict JSON has them."""
     import xgrammar as xgr
@@ -243,19 +251,19 @@ class GrammarCompiler:
     off the event loop).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *, max_cached: int = 512) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], *, max_cached: int = 512) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.max_cached = max_cached
-        self._info: Any = None
-        self._compiler: Any = None
-        self._cache: dict[tuple[str, str], Any] = {}
+        self._info: xgr.TokenizerInfo | None = None
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._cache: dict[tuple[str, str], xgr.CompiledGrammar] = {}
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def _ensure(self) -> Any:
+    def _ensure(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
             try:
                 import xgrammar as xgr
@@ -268,7 +276,7 @@ class GrammarCompiler:
             self._compiler = xgr.GrammarCompiler(self._info, max_threads=2)
         return self._compiler
 
-    def compile(self, kind: str, spec: Any) -> Any:
+    def compile(self, kind: str, spec: JsonValue) -> xgr.CompiledGrammar:
         key = (kind, canonical(spec))
         with self._lock:
             hit = self._cache.get(key)
@@ -285,9 +293,9 @@ class GrammarCompiler:
                     grammar = compiler.compile_grammar(json_schema_grammar(schema))
                 elif kind == "regex":
                     param = "guided_regex"
-                    grammar = compiler.compile_regex(spec)
+                    grammar = compiler.compile_regex(str(spec))
                 elif kind == "structural_tag":
-                    grammar = compiler.compile_structural_tag(spec)
+                    grammar = compiler.compile_structural_tag(spec if isinstance(spec, (str, dict)) else canonical(spec))
                 else:
                     raise RequestError(f"unknown structured output kind {kind!r}", param=param)
             except RequestError:
@@ -302,7 +310,7 @@ class GrammarCompiler:
             self._cache[key] = grammar
             return grammar
 
-    def state(self, kind: str, spec: Any) -> XGrammarState:
+    def state(self, kind: str, spec: JsonValue) -> XGrammarState:
         return XGrammarState(self.compile(kind, spec), self.vocab_size)
 
 
@@ -311,14 +319,17 @@ class XGrammarState:
 
     __slots__ = ("matcher", "vocab_size", "bitmask")
 
-    def __init__(self, compiled: Any, vocab_size: int, matcher: Any = None) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar | None, vocab_size: int, matcher: xgr.GrammarMatcher | None = None) -> None:
         import xgrammar as xgr
 
-        self.matcher = matcher if matcher is not None else xgr.GrammarMatcher(compiled)
+        if matcher is None:
+            assert compiled is not None, "a state needs its grammar or a matcher to fork"
+            matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = matcher
         self.vocab_size = vocab_size
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
-    def mask_logits(self, logits: Any) -> None:
+    def mask_logits(self, logits: torch.Tensor) -> None:
         import xgrammar as xgr
 
         if self.matcher.is_terminated():

@@ -18,13 +18,20 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
 
 from plinth.api import ReasoningParser, SelectionContext, ToolCallItem, ToolParse, ToolParser
 from plinth.errors import PluginError
 from plinth.parsing import INVALID, read_json_arguments, read_json_call, skip_ws
 from plinth.server.errors import APIError
+from plinth.server.protocol import JSONObject
+
+if TYPE_CHECKING:
+    from plinth.plugins import PluginRegistry
 
 log = logging.getLogger("plinth.server")
 
@@ -38,7 +45,7 @@ def call_id(prefix: str = "call_") -> str:
 # ---------------------------------------------------------------------------
 
 
-def resolve_parser(registry: Any, category: str, name: str | None, chat_template: str | None) -> type | None:
+def resolve_parser(registry: PluginRegistry, category: str, name: str | None, chat_template: str | None) -> type | None:
     """The parser class for ``--tool-call-parser`` / ``--reasoning-parser``:
     a name (it must load, or start-up fails with every candidate's reasons),
     ``auto`` (the highest-priority one whose template markers the chat
@@ -71,7 +78,7 @@ def resolve_parser(registry: Any, category: str, name: str | None, chat_template
 class Tool:
     name: str
     description: str | None
-    parameters: dict[str, Any]
+    parameters: JSONObject
 
 
 @dataclass
@@ -83,7 +90,7 @@ class ToolPlan:
     mode: str = "none"  # none | auto | required | named
     named: str | None = None
     parallel: bool = True
-    grammar: tuple[str, Any] | None = None  # (kind, spec) for the structured-output compiler
+    grammar: tuple[str, JsonValue] | None = None  # (kind, spec) for the structured-output compiler
 
     def parser(self, auto_cls: type | None) -> ToolParser | None:
         if self.mode == "named":
@@ -95,7 +102,7 @@ class ToolPlan:
         return None
 
 
-def _check_schema(schema: Any, param: str) -> dict[str, Any]:
+def _check_schema(schema: JSONObject | None, param: str) -> JSONObject:
     from plinth.errors import RequestError
     from plinth.server.structured import check_json_schema
 
@@ -133,7 +140,7 @@ def plan_tools(
             )
         plan.grammar = ("json_schema", tool.parameters)
     elif mode == "required":
-        items = [
+        items: list[JsonValue] = [
             {
                 "type": "object",
                 "properties": {"name": {"const": t.name}, "parameters": t.parameters},
@@ -142,38 +149,19 @@ def plan_tools(
             }
             for t in tools
         ]
-        array: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
+        array: JSONObject = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
         if not parallel:
             array["maxItems"] = 1
         plan.grammar = ("json_schema", array)
     return plan
 
 
-def openai_tools(tools: list[dict[str, Any]] | None, param: str = "tools", *, flat: bool = False) -> list[Tool]:
-    """OpenAI's ``[{"type": "function", "function": {name, description, parameters}}]``
-    (flat: the Responses API's ``[{"type": "function", "name", ...}]``)."""
-    out = []
-    for i, t in enumerate(tools or []):
-        where = f"{param}.{i}"
-        if not isinstance(t, dict) or t.get("type", "function") != "function":
-            raise APIError.bad_request(f"{where}: only function tools are supported", param=f"{where}.type")
-        fn = t if flat else t.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise APIError.bad_request(f"{where} needs a function with a name", param=f"{where}.function.name")
-        out.append(Tool(fn["name"], fn.get("description"), _check_schema(fn.get("parameters"), f"{where}.function.parameters")))
-    _unique(out, param)
-    return out
-
-
-def anthropic_tools(tools: list[dict[str, Any]] | None, param: str = "tools") -> list[Tool]:
-    out = []
-    for i, t in enumerate(tools or []):
-        where = f"{param}.{i}"
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
-            raise APIError.bad_request(f"{where} needs a name", param=f"{where}.name")
-        if t.get("type") not in (None, "custom"):
-            raise APIError.bad_request(f"{where}: server tools ({t.get('type')}) are not supported", param=f"{where}.type")
-        out.append(Tool(t["name"], t.get("description"), _check_schema(t.get("input_schema"), f"{where}.input_schema")))
+def make_tools(specs: Iterable[tuple[str, str | None, JSONObject | None]], param: str = "tools", schema_field: str = "parameters") -> list[Tool]:
+    """A request's tools, each as (name, description, parameters schema), the
+    schemas checked; ``schema_field`` is where a tool holds its schema (for
+    error messages): OpenAI's ``function.parameters``, Responses'
+    ``parameters``, Anthropic's ``input_schema``."""
+    out = [Tool(name, description, _check_schema(schema, f"{param}.{i}.{schema_field}")) for i, (name, description, schema) in enumerate(specs)]
     _unique(out, param)
     return out
 
@@ -186,7 +174,7 @@ def _unique(tools: list[Tool], param: str) -> None:
         seen.add(t.name)
 
 
-def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+def template_tools(tools: list[Tool]) -> list[JSONObject]:
     """Tools as chat templates expect them (OpenAI's shape)."""
     return [
         {"type": "function", "function": {k: v for k, v in t.__dict__.items() if v is not None}} for t in tools
@@ -348,7 +336,7 @@ class OutputParser:
         return out
 
 
-def arguments_object(arguments: str) -> dict[str, Any]:
+def arguments_object(arguments: str) -> JSONObject:
     """A call's arguments as an object (Anthropic's ``input``; chat templates)."""
     try:
         value = json.loads(arguments)
