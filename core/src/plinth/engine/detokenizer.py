@@ -8,14 +8,17 @@ leading space into the next piece still space words correctly.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from plinth.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from plinth.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 
 
-def detokenize_step(tokenizer: Any, seq: Sequence, *, final: bool = False) -> str:
+def detokenize_step(tokenizer: Tokenizer, seq: Sequence, *, final: bool = False) -> str:
     """Decode what the newest tokens of ``seq`` add to its text; advance its offsets."""
     ids = seq.token_ids
     skip = seq.params.skip_special_tokens

@@ -6,10 +6,15 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from plinth.engine.outputs import TokenLogprobs
 from plinth.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from plinth.engine.grammar import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -53,7 +58,7 @@ class Sequence:
         "token_counts", "spec_tokens",
     )
 
-    def __init__(self, request: Request, index: int, token_ids: list[int], *, generator: Any = None) -> None:
+    def __init__(self, request: Request, index: int, token_ids: list[int], *, generator: torch.Generator | None = None) -> None:
         self.seq_id = next(_seq_ids)
         self.request = request
         self.index = index
@@ -70,7 +75,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.grammar: Any = None
+        self.grammar: GrammarState | None = None
         #: a sequence of an n>1 request whose prompt is being prefilled: at its
         #: first sample it forks into the n sequences
         self.pending_fork = False

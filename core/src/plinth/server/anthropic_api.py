@@ -271,7 +271,7 @@ class _MessageStream:
 
 
 class _Event(Protocol):
-    """Any of Anthropic's stream events: it names itself."""
+    """One of Anthropic's stream events: it names itself."""
 
     @property
     def type(self) -> str: ...

@@ -9,10 +9,16 @@ import signal
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING, Any
 
 from plinth.errors import ConfigError, PlinthError
 from plinth.plugins import PluginRegistry
+
+if TYPE_CHECKING:
+    import uvicorn as uvicorn_types
+
+    from plinth.engine.interfaces import EngineClient
 
 log = logging.getLogger("plinth.server")
 
@@ -204,7 +210,7 @@ def run_server(args: argparse.Namespace, registry: PluginRegistry, engine_kwargs
     return 0
 
 
-def _server_class(uvicorn: Any) -> Any:
+def _server_class(uvicorn: ModuleType) -> Any:  # the class below: uvicorn is imported when serving starts
     """uvicorn's Server, except that the first SIGTERM or SIGINT drains the
     engine (``EngineClient.drain``: 503 with the reason for new requests,
     running ones finish up to the shutdown timeout, the rest are aborted with
@@ -212,14 +218,14 @@ def _server_class(uvicorn: Any) -> Any:
     second signal stops uvicorn at once, a third forces it."""
 
     class Server(uvicorn.Server):
-        def __init__(self, config: Any, *, engine: Any, shutdown_timeout: float) -> None:
+        def __init__(self, config: uvicorn_types.Config, *, engine: EngineClient, shutdown_timeout: float) -> None:
             super().__init__(config)
             self.engine = engine
             self.shutdown_timeout = shutdown_timeout
             self.stopped_by: list[int] = []
             self.drainer: threading.Thread | None = None
 
-        def handle_exit(self, sig: int, frame: Any) -> None:
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             self.stopped_by.append(sig)
             if self.drainer is None:
                 log.info("%s: draining (up to %.0f s)", signal.Signals(sig).name, self.shutdown_timeout)
